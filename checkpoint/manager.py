@@ -1,0 +1,229 @@
+"""CheckpointManager: the public face of the package — ``save`` / ``wait`` / ``load`` over the three layers.
+
+    state (what)   -> CheckpointState of Stateful pieces          (state.py)
+    backend (how)  -> writes this rank's payload files             (backends/)
+    layout         -> part records, manifest, COMMITTED, latest    (layout.py)
+
+Policy (when to call ``save``) lives in policy.py and train.py; the manager never decides that.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch.distributed as dist
+
+from . import layout
+from .backends import Backend, RankInfo, loader_for
+from .backends.base import BackgroundTask
+from .errors import CheckpointError
+from .fsio import is_disk_full
+from .state import CheckpointState
+
+MiB = 1 << 20
+
+
+@dataclass
+class SaveRecord:
+    step: int
+    blocking_s: float
+    durable_s: float = 0.0
+    bytes: int = 0
+
+
+class SaveHandle:
+    """One save in flight. ``wait()`` returns when it is committed (on rank 0) / durable (other ranks), re-raising any
+    error from the background."""
+
+    def __init__(self, step: int, payload, task: BackgroundTask | None, record: SaveRecord):
+        self.step = step
+        self.payload = payload
+        self._task = task
+        self.record = record
+
+    def done(self) -> bool:
+        return self._task is None or self._task.done()
+
+    def wait(self) -> None:
+        if self._task is not None:
+            self._task.wait()
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        root: Path,
+        backend: Backend,
+        rank: RankInfo,
+        *,
+        run_id: str,
+        keep: int = 0,
+        keep_every: int = 0,
+        commit_timeout_s: float = 1800.0,
+        log: Callable[[str], None] = print,
+    ):
+        self.root = Path(root)
+        self.backend = backend
+        self.rank = rank
+        self.run_id = run_id
+        self.keep = keep
+        self.keep_every = keep_every
+        self.commit_timeout_s = commit_timeout_s
+        self.log = log
+        self.in_flight: deque[SaveHandle] = deque()
+        self.history: list[SaveRecord] = []
+        self.load_seconds = 0.0
+        if rank.is_main:
+            layout.ensure_writable(self.root)
+
+    # --- save ----------------------------------------------------------------------------------------------------
+    def save(self, step: int, state: CheckpointState) -> SaveHandle:
+        """Start saving ``state`` as ``step``. Returns once the state is captured; the backend decides whether the bytes
+        land before (vanilla) or after (async backends) this returns. Raises errors of earlier background saves."""
+        self._reap(block_until_below=self.backend.max_in_flight)
+        t0 = time.perf_counter()
+        step_dir = self.root / layout.step_dir_name(step)
+        if self.rank.is_main:
+            self._prepare_step_dir(step_dir)
+        if dist.is_initialized() and self.rank.world_size > 1:
+            dist.barrier()  # no rank writes into the folder before rank 0 has prepared it
+        try:
+            payload = self.backend.save(step_dir, state)
+        except OSError as e:
+            raise self._io_error(step, e) from None
+        record = SaveRecord(step, blocking_s=time.perf_counter() - t0)
+
+        def finish() -> None:
+            try:
+                files = payload.wait()
+                layout.write_part_record(step_dir, self.rank.rank, files, run_id=self.run_id)
+                record.bytes = sum(r["size"] for r in files.values())
+                if self.rank.is_main:
+                    parts = layout.wait_for_part_records(step_dir, self.rank.world_size, self.commit_timeout_s, self.run_id)
+                    layout.commit(step_dir, step, self.rank.world_size, self.backend.name, parts)
+                    record.bytes = sum(r["size"] for p in parts for r in p["files"].values())
+            except OSError as e:
+                raise self._io_error(step, e) from None
+            record.durable_s = time.perf_counter() - t0
+            self._log_save(record)
+            if self.rank.is_main:
+                in_flight = {h.step for h in self.in_flight if h.step != step}
+                layout.apply_retention(self.root, self.keep, keep_every=self.keep_every, in_flight=in_flight, log=self.log)
+
+        if payload.done():
+            finish()
+            handle = SaveHandle(step, payload, None, record)
+        else:
+            handle = SaveHandle(step, payload, BackgroundTask(finish, name=f"ckpt-commit-{step}"), record)
+        self.history.append(record)
+        self.in_flight.append(handle)
+        return handle
+
+    def _prepare_step_dir(self, step_dir: Path) -> None:
+        if step_dir.exists():
+            # A folder from an earlier attempt at this step (crashed mid-save, or a run that resumed from an older
+            # checkpoint). Un-commit it first, then move it out of the way: a crash here leaves nothing `latest` picks.
+            (step_dir / layout.COMMITTED).unlink(missing_ok=True)
+            trash = step_dir.with_name(f".trash-{step_dir.name}-{self.run_id}")
+            step_dir.rename(trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        step_dir.mkdir(parents=True)
+
+    def _io_error(self, step: int, e: OSError) -> CheckpointError:
+        if is_disk_full(e):
+            return CheckpointError(
+                f"saving step {step} to {self.root} failed: no space left on device; free space or point "
+                "--checkpoint-dir elsewhere (the previous checkpoint is intact)"
+            )
+        return CheckpointError(f"saving step {step} to {self.root} failed: {e.strerror or e} ({e.filename or ''})")
+
+    def _reap(self, block_until_below: int) -> None:
+        """Collect finished saves (re-raising their errors); block while too many are in flight."""
+        while self.in_flight and (self.in_flight[0].done() or len(self.in_flight) >= block_until_below):
+            self.in_flight.popleft().wait()
+
+    def wait_staged(self) -> None:
+        """Block until every in-flight save has captured its state. train.py calls this right before
+        ``optimizer.step()``: async backends copy the state while forward/backward of the next step runs, and only
+        the optimizer's in-place update would change what they are copying."""
+        for h in self.in_flight:
+            t0 = time.perf_counter()
+            try:
+                h.payload.wait_staged()
+            except OSError as e:
+                raise self._io_error(h.step, e) from None
+            h.record.blocking_s += time.perf_counter() - t0
+
+    def poll(self) -> None:
+        """Surface background errors at a step boundary without blocking."""
+        self._reap(block_until_below=1 << 30)
+
+    def wait(self) -> None:
+        """Block until every save in flight is committed; re-raise the first error."""
+        self._reap(block_until_below=1)
+
+    @property
+    def pending(self) -> int:
+        return sum(not h.done() for h in self.in_flight)
+
+    def _log_save(self, r: SaveRecord) -> None:
+        rate = r.bytes / MiB / r.durable_s if r.durable_s > 0 else 0.0
+        where = "committed" if self.rank.is_main else "written"
+        if self.rank.is_main:
+            self.log(
+                f"checkpoint step {r.step} {where}: {r.bytes / MiB:.1f} MiB, blocked {r.blocking_s:.2f}s, "
+                f"durable after {r.durable_s:.2f}s ({rate:.0f} MiB/s)"
+            )
+
+    # --- load ----------------------------------------------------------------------------------------------------
+    def resolve(self, spec: str) -> layout.CheckpointInfo | None:
+        """Rank 0 resolves `latest`/step/path and verifies it; every rank gets the same answer."""
+        result: list = [None]
+        if self.rank.is_main:
+            try:
+                result[0] = layout.resolve(self.root, spec, warn=lambda m: self.log(f"warning: {m}"))
+            except CheckpointError as e:
+                result[0] = e
+        if dist.is_initialized() and self.rank.world_size > 1:
+            dist.broadcast_object_list(result, src=0)
+        if isinstance(result[0], CheckpointError):
+            raise result[0]
+        return result[0]
+
+    def load(self, spec: str, state: CheckpointState) -> int | None:
+        """Restore ``state`` from `latest`, a step number or a path. Returns the step, or None if `latest` found none."""
+        t0 = time.perf_counter()
+        info = self.resolve(spec)
+        if info is None:
+            return None
+        try:
+            backend = loader_for(info.manifest, self.rank)
+        except ValueError as e:
+            raise CheckpointError(f"{info.path}: {e}") from None
+        backend.load(info.path, info.manifest, state)
+        self.load_seconds = time.perf_counter() - t0
+        size = info.size_bytes
+        self.log(
+            f"resumed from {info.path} (step {info.step}, {info.manifest['backend']} backend, "
+            f"{size / MiB:.1f} MiB in {self.load_seconds:.2f}s, {size / MiB / max(self.load_seconds, 1e-9):.0f} MiB/s)"
+        )
+        return info.step
+
+    # --- summary -------------------------------------------------------------------------------------------------
+    def summary(self, run_seconds: float) -> str:
+        blocked = sum(r.blocking_s for r in self.history)
+        total_bytes = sum(r.bytes for r in self.history)
+        pct = 100.0 * blocked / run_seconds if run_seconds > 0 else 0.0
+        return (
+            f"checkpointing: {len(self.history)} saves, {total_bytes / MiB:.1f} MiB, training blocked {blocked:.2f}s "
+            f"({pct:.1f}% of {run_seconds:.1f}s), load {self.load_seconds:.2f}s"
+        )
+
+    def close(self) -> None:
+        self.wait()
+        self.backend.close()

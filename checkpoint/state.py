@@ -1,0 +1,195 @@
+"""WHAT a checkpoint holds: named pieces, each behind the Stateful protocol (``state_dict`` / ``load_state_dict``).
+
+Keys (as in torchtitan): model, optimizer, lr_scheduler, grad_scaler, dataloader, train_state, rng, run_info.
+``rng`` and ``dataloader`` are per rank (each rank saves its own); everything else is identical on all ranks of a
+data-parallel job and is saved once. Every value is made of tensors, numbers, strings, lists and dicts only, so a
+checkpoint loads with ``torch.load(weights_only=True)`` and loading a stranger's checkpoint cannot run code.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+from .errors import CheckpointError
+
+PER_RANK_KEYS = ("rng", "dataloader")
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Strip DDP (`.module`) and torch.compile (`._orig_mod`) wrappers so checkpoint keys never carry their prefixes
+    and a checkpoint moves freely between single-process, DDP and compiled runs."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+class ModelState:
+    """Model weights keyed by fully-qualified parameter name, without wrapper prefixes.
+
+    Goes through torch.distributed.checkpoint's state_dict helpers, which handle DDP, torch.compile and FSDP2 alike:
+    with ``full=True`` an FSDP model's shards are gathered into whole tensors (rank 0 gets them on CPU), which is what a
+    single-file backend needs; ``full=False`` keeps each rank's shard as a DTensor, which is what DCP needs.
+    """
+
+    def __init__(self, model: torch.nn.Module, full: bool = True):
+        self.wrapped = model
+        self.model = unwrap_model(model)
+        self.options = StateDictOptions(full_state_dict=full, cpu_offload=full and _is_fsdp(model))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return get_model_state_dict(self.model, options=self.options)
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        check_compatible(self.state_dict(), state_dict)
+        set_model_state_dict(self.model, state_dict, options=StateDictOptions(full_state_dict=self.options.full_state_dict,
+                                                                           strict=True))
+
+
+class OptimizerState:
+    """AdamW moments and step counts, keyed by parameter NAME (not by position), so they survive resharding and
+    format conversion. DCP's helpers restore *all* state: loading into a fresh optimizer keeps the moments."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, full: bool = True):
+        self.model = unwrap_model(model)
+        self.optimizer = optimizer
+        self.options = StateDictOptions(full_state_dict=full, cpu_offload=full and _is_fsdp(model))
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict,
+                                 options=StateDictOptions(full_state_dict=self.options.full_state_dict))
+
+
+def _is_fsdp(model: torch.nn.Module) -> bool:
+    return any(type(m).__name__.startswith("FSDP") for m in model.modules())
+
+
+def check_compatible(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> None:
+    """One clear line naming the first mismatched tensor, instead of PyTorch's wall of size-mismatch messages."""
+    missing = [k for k in expected if k not in found]
+    extra = [k for k in found if k not in expected]
+    if missing or extra:
+        what = f"missing {missing[0]!r}" if missing else f"unexpected {extra[0]!r}"
+        raise CheckpointError(
+            f"checkpoint does not fit this model: {what} ({len(missing)} missing, {len(extra)} unexpected tensors); "
+            "was it saved with another --model preset or tokenizer?"
+        )
+    for key, tensor in expected.items():
+        got = found[key]
+        if tuple(got.shape) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"checkpoint does not fit this model: tensor {key!r} has shape {list(got.shape)} in the checkpoint "
+                f"but {list(tensor.shape)} in this model; use the --model preset and tokenizer it was saved with"
+            )
+
+
+@dataclass
+class TrainState:
+    """Loop counters. ``restarts`` counts resumes; it is what a loss CSV row's restart column shows."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    restarts: int = 0
+    checkpoint_seconds: float = 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for k, v in state_dict.items():
+            setattr(self, k, v)
+
+
+class RNGState:
+    """This rank's generators: Python, NumPy, torch CPU and (when present) CUDA. Converted to tensors and plain
+    lists so the file stays loadable with weights_only=True."""
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = random.getstate()
+        np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+        sd = {
+            "python": {"version": version, "state": list(internal), "gauss": gauss},
+            "numpy": {
+                "name": np_name,
+                "keys": torch.from_numpy(np_keys.astype(np.int64)),
+                "pos": int(np_pos),
+                "has_gauss": int(np_has_gauss),
+                "gauss": float(np_gauss),
+            },
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            sd["cuda"] = torch.cuda.get_rng_state()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        py = state_dict["python"]
+        random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+        npy = state_dict["numpy"]
+        np.random.set_state(
+            (npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["gauss"])
+        )
+        torch.set_rng_state(state_dict["torch"])
+        if "cuda" in state_dict and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state_dict["cuda"])
+
+
+@dataclass
+class RunInfo:
+    """The run's configuration and versions, stored so a mismatch on resume can be explained, not guessed."""
+
+    config: dict[str, Any] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+    world_size: int = 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"config_json": json.dumps(self.config, sort_keys=True, default=str),
+                "versions": {str(k): str(v) for k, v in self.versions.items()}, "world_size": int(self.world_size)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # The *current* run's info is kept; the saved one is only compared.
+        self.saved = {"config": json.loads(state_dict["config_json"]), "versions": state_dict["versions"],
+                      "world_size": state_dict["world_size"]}
+
+    def differences(self, keys: tuple[str, ...]) -> list[str]:
+        saved = getattr(self, "saved", None)
+        if saved is None:
+            return []
+        out = [f"{k}: checkpoint {saved['config'].get(k)!r}, now {self.config.get(k)!r}" for k in keys
+               if saved["config"].get(k) != self.config.get(k)]
+        if saved["world_size"] != self.world_size:
+            out.append(f"world size: checkpoint {saved['world_size']}, now {self.world_size}")
+        if saved["versions"].get("torch") != self.versions.get("torch"):
+            out.append(f"torch: checkpoint {saved['versions'].get('torch')}, now {self.versions.get('torch')}")
+        return out
+
+
+class CheckpointState(dict):
+    """Name -> Stateful. The split into shared and per-rank pieces is decided here, once, for every backend."""
+
+    def shared(self) -> dict[str, Stateful]:
+        return {k: v for k, v in self.items() if k not in PER_RANK_KEYS}
+
+    def per_rank(self) -> dict[str, Stateful]:
+        return {k: v for k, v in self.items() if k in PER_RANK_KEYS}

@@ -1,0 +1,398 @@
+"""PyRecover: pre-train a Llama-style transformer that never loses work.
+
+    python train.py --model small                                   # one process (CPU or one GPU)
+    torchrun --nproc_per_node=4 train.py --distributed --model 1b   # DDP, one rank per GPU
+    sbatch submit-training-simple.sh --distributed                  # SLURM, see README
+
+Reads top to bottom: flags -> setup (validated before any training time is spent) -> resume -> loop -> exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import random
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import distributed
+from checkpoint import (CheckpointError, CheckpointManager, CheckpointState, ModelState, OptimizerState, RankInfo, RNGState, RunInfo,
+                        TrainState, make_backend)
+from checkpoint.fsio import fsync_dir
+from checkpoint.policy import IntervalPolicy
+from dataset import DEFAULT_TOKENIZER, DataError, TrainLoader, load_token_windows, load_tokenizer
+from model import PRESETS, Transformer, flash_attention_problem, get_config
+
+__version__ = "0.1.0"
+
+# Exit codes (documented in the README; submit-training-simple.sh acts on them).
+EXIT_FINISHED = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+
+class BadInput(Exception):
+    """A user mistake detected before training: one line, exit code 2."""
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Flags
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Pre-train a Llama-style transformer with checkpointing that survives walltime, preemption and "
+        "failures.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+
+    g = p
+
+    def flag(name: str, *more: str, **kw):
+        """Accept both --dash-name and --underscore_name (the reference scripts mix them)."""
+        names = set()
+        for n in (name, *more):
+            body = n[2:]
+            names |= {n, "--" + body.replace("_", "-"), "--" + body.replace("-", "_")}
+        kw.setdefault("dest", name[2:].replace("-", "_"))
+        return g.add_argument(*sorted(names, key=lambda n: ("_" in n, n)), **kw)
+
+    g = p.add_argument_group("data")
+    flag("--dataset", default="data/train_data.parquet", help="parquet file with a `text` column")
+    flag("--tokenizer-name-or-path", default=DEFAULT_TOKENIZER,
+         help="mistral-sp-32k, mistral-tekken, cl100k_base, o200k_base, or a local tokenizer.json / HF tokenizer dir")
+    flag("--sequence-length", type=int, default=128, help="tokens per training sample")
+    flag("--batch-size", type=int, default=8, help="samples per step PER RANK (global batch = batch-size x ranks)")
+    flag("--seed", type=int, default=42, help="seeds model init, data order and every RNG")
+
+    g = p.add_argument_group("model and optimisation")
+    flag("--model", default="small", choices=sorted(PRESETS), help="model preset")
+    flag("--learning-rate", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    flag("--lr-warmup-steps", type=int, default=20, help="linear warm-up steps, then cosine decay to 10%%")
+    flag("--training-steps", type=int, default=300, help="total optimizer steps")
+    flag("--grad-max-norm", type=float, default=1.0, help="clip the global gradient norm to this (0 = off)")
+    flag("--model-dtype", default="fp32", choices=sorted(distributed.DTYPES),
+         help="bf16/fp16: autocast with fp32 weights; fp32/fp64: everything in that dtype")
+    flag("--fused-optimizer", action="store_true", help="use the fused AdamW kernel")
+    flag("--compile", action="store_true", help="torch.compile the model")
+    flag("--use_flash_attention", action="store_true", help="flash-attn kernels (CUDA + flash-attn only; no fallback)")
+
+    g = p.add_argument_group("distributed")
+    flag("--distributed", action="store_true", help="DDP over torchrun or srun ranks (NCCL on GPU, gloo on CPU)")
+
+    g = p.add_argument_group("checkpointing")
+    flag("--checkpoint-dir", default="checkpoints", help="checkpoints go to <checkpoint-dir>/<experiment_name>/step-N/")
+    flag("--experiment_name", "--exp_name", default="default", help="run name (sub-folder of --checkpoint-dir)")
+    flag("--checkpoint-frequency", type=int, default=100, help="save every N steps (0 = only at the end)")
+    flag("--resume-from-checkpoint", default=None, metavar="latest|STEP|PATH",
+         help="resume: `latest` (newest verified checkpoint; starts fresh if there is none), a step, or a path")
+    flag("--checkpoint-backend", default="vanilla", choices=["vanilla"], help="how checkpoint bytes are written")
+    flag("--use-torch-distributed-ckpt", action="store_true", help="alias of --checkpoint-backend dcp")
+    flag("--max-kept-checkpoints", type=int, default=3, help="keep the newest K committed checkpoints (0 = keep all)")
+    flag("--keep-every", type=int, default=0, help="also keep every checkpoint whose step is a multiple of N")
+    flag("--timeaware-checkpointing", action="store_true", help="save and stop before the SLURM walltime runs out")
+
+    g = p.add_argument_group("logging")
+    flag("--logging-frequency", type=int, default=10, help="progress-bar/log update every N steps")
+    flag("--log-loss-to-csv", nargs="?", const="auto", default=None, metavar="PATH",
+         help="one row per step; default path <checkpoint-dir>/<experiment_name>/loss.csv; appends on resume")
+    flag("--profile", action="store_true", help="record a torch.profiler trace between the profile steps")
+    flag("--profile-step-start", type=int, default=10, help="first profiled step")
+    flag("--profile-step-end", type=int, default=12, help="last profiled step")
+    return p
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Setup helpers
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def log0(env: distributed.DistEnv, msg: str) -> None:
+    if env.is_main:
+        print(msg, flush=True)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def lr_lambda(warmup: int, total: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class LossCSV:
+    """One row per step. On resume, rows after the resumed step are dropped (they belong to work that was lost and
+    will be redone), so the file ends up with every step exactly once."""
+
+    FIELDS = ["step", "loss", "lr", "tokens_seen", "wall_time", "restart"]
+
+    def __init__(self, path: Path, resumed_step: int | None):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if resumed_step is not None and path.exists():
+            with open(path, newline="") as f:
+                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resumed_step]
+            tmp = path.with_suffix(".csv.tmp")
+            with open(tmp, "w", newline="") as f:
+                w = csv.DictWriter(f, self.FIELDS)
+                w.writeheader()
+                w.writerows(rows)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        elif resumed_step is None:
+            with open(path, "w", newline="") as f:
+                csv.DictWriter(f, self.FIELDS).writeheader()
+        self.file = open(path, "a", newline="")
+        self.writer = csv.DictWriter(self.file, self.FIELDS)
+
+    def row(self, **values) -> None:
+        self.writer.writerow(values)
+        self.file.flush()
+
+    def sync(self) -> None:
+        """Make rows durable up to a checkpoint: a resume must never find fewer rows than the step it resumes."""
+        os.fsync(self.file.fileno())
+        fsync_dir(self.path.parent)
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of the GPU, for MFU. None on CPU or an unknown GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in (("H100", 989e12), ("GH200", 989e12), ("H200", 989e12), ("A100", 312e12), ("L40", 181e12),
+                       ("A10", 125e12), ("V100", 125e12)):
+        if key in name:
+            return flops
+    return None
+
+
+def validate(args: argparse.Namespace, env: distributed.DistEnv):
+    """Everything that can be wrong with the user's input, checked before any collective or training time."""
+    for name in ("sequence_length", "batch_size", "training_steps"):
+        if getattr(args, name) <= 0:
+            raise BadInput(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.use_flash_attention:
+        problem = flash_attention_problem(env.device)
+        if problem:
+            raise BadInput(problem)
+    tokenizer = load_tokenizer(args.tokenizer_name_or_path)
+    windows = load_token_windows(args.dataset, tokenizer, args.sequence_length)
+    if len(windows) < args.batch_size * env.world_size:
+        raise BadInput(
+            f"--sequence-length {args.sequence_length} leaves {len(windows)} samples in {args.dataset}, fewer than one "
+            f"global batch ({args.batch_size} x {env.world_size} ranks); use a shorter sequence or a larger dataset"
+        )
+    config = get_config(args.model, vocab_size=tokenizer.vocab_size, max_seq_len=args.sequence_length)
+    return tokenizer, windows, config
+
+
+def agree_on_failure(env: distributed.DistEnv, failed: bool) -> bool:
+    """All ranks learn whether any rank failed setup, so none is left waiting in a collective."""
+    return distributed.all_reduce_max(1.0 if failed else 0.0, env) > 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.use_torch_distributed_ckpt:
+        args.checkpoint_backend = "dcp"
+    t_start = time.perf_counter()
+
+    env = distributed.init(args.distributed)
+    # Setup that can fail on bad input runs on every rank without collectives; then ranks agree.
+    error = None
+    try:
+        tokenizer, windows, config = validate(args, env)
+        run_root = Path(args.checkpoint_dir) / args.experiment_name
+        rank_info = RankInfo(env.rank, env.world_size, env.local_rank)
+        backend = make_backend(args.checkpoint_backend, rank_info)
+    except (BadInput, DataError, CheckpointError, ValueError, RuntimeError) as e:
+        error = e
+    if agree_on_failure(env, error is not None):
+        if error is not None:
+            print(f"error: {error}" if env.is_main else f"error (rank {env.rank}): {error}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+
+    # --- model, optimizer, schedule, data ------------------------------------------------------------------------
+    seed_everything(args.seed)  # identical init on every rank
+    model = Transformer(config, attention="flash" if args.use_flash_attention else "sdpa")
+    model = model.to(device=env.device, dtype=distributed.param_dtype(args.model_dtype))
+    if env.distributed:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+    if args.compile:
+        model = torch.compile(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=0.1,
+                                  fused=True if args.fused_optimizer else None)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.lr_warmup_steps, args.training_steps))
+    scaler = torch.amp.GradScaler(env.device.type) if args.model_dtype == "fp16" else None
+    loader = TrainLoader(windows, args.batch_size, env.rank, env.world_size, args.seed)
+    seed_everything(args.seed + env.rank)  # per-rank streams from here on (restored from the checkpoint on resume)
+
+    train = TrainState()
+    run_info = RunInfo(config=vars(args) | {"model_config": vars(config)},
+                       versions={"torch": str(torch.__version__), "pyrecover": __version__}, world_size=env.world_size)
+    state = CheckpointState(model=ModelState(model), optimizer=OptimizerState(model, optimizer), lr_scheduler=scheduler, dataloader=loader,
+                            train_state=train, rng=RNGState(), run_info=run_info)
+    if scaler is not None:
+        state["grad_scaler"] = scaler
+
+    run_id = [uuid.uuid4().hex[:12] if env.is_main else None]
+    if env.distributed:
+        dist.broadcast_object_list(run_id, src=0)
+    manager = CheckpointManager(run_root, backend, rank_info, run_id=run_id[0], keep=args.max_kept_checkpoints,
+                                keep_every=args.keep_every, log=lambda m: log0(env, m))
+
+    # --- resume --------------------------------------------------------------------------------------------------
+    resumed_step = None
+    if args.resume_from_checkpoint:
+        try:
+            resumed_step = manager.load(args.resume_from_checkpoint, state)
+        except CheckpointError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return EXIT_BAD_INPUT
+        if resumed_step is None:
+            log0(env, f"no checkpoint found in {run_root}; starting fresh from step 0")
+        else:
+            train.restarts += 1
+            for line in run_info.differences(("model", "tokenizer_name_or_path", "sequence_length", "batch_size", "seed")):
+                log0(env, f"warning: resumed run differs from the checkpoint: {line}")
+    csv_path = None
+    if args.log_loss_to_csv:
+        csv_path = run_root / "loss.csv" if args.log_loss_to_csv == "auto" else Path(args.log_loss_to_csv)
+    loss_csv = LossCSV(csv_path, resumed_step) if (csv_path and env.is_main) else None
+
+    policy = IntervalPolicy(args.checkpoint_frequency, args.training_steps)
+    autocast = distributed.autocast(env, args.model_dtype)
+    params = [p for p in model.parameters()]
+    tokens_per_step = args.batch_size * args.sequence_length * env.world_size
+    flops_per_token = ModelState(model).model.flops_per_token(args.sequence_length)
+    peak = device_peak_flops(env.device)
+    log0(env, f"model {args.model}: {ModelState(model).model.num_params() / 1e6:.1f}M params | {env.world_size} rank(s) "
+              f"on {env.device.type} ({env.backend or 'single process'}) | {len(windows)} samples of "
+              f"{args.sequence_length} tokens | tokenizer {tokenizer.name} | global batch {tokens_per_step} tokens")
+
+    progress = None
+    if env.is_main:
+        from tqdm import tqdm
+
+        progress = tqdm(total=args.training_steps, initial=train.step, desc="train", dynamic_ncols=True,
+                        disable=not sys.stderr.isatty() and os.environ.get("PYRECOVER_PROGRESS") != "1")
+    profiler = None
+    if args.profile:
+        profiler = torch.profiler.profile(schedule=torch.profiler.schedule(
+            wait=max(0, args.profile_step_start - train.step - 1), warmup=1,
+            active=max(1, args.profile_step_end - args.profile_step_start + 1), repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(run_root / "profile")))
+        profiler.start()
+
+    # --- the loop ------------------------------------------------------------------------------------------------
+    model.train()
+    t_loop = time.perf_counter()
+    loss_f = float("nan")
+    while train.step < args.training_steps:
+        t0 = time.perf_counter()
+        inputs, targets = loader.next_batch()
+        inputs, targets = inputs.to(env.device, non_blocking=True), targets.to(env.device, non_blocking=True)
+        with autocast:
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+        else:
+            loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_max_norm) if args.grad_max_norm > 0 else None
+
+        manager.wait_staged()  # an async save still copying the weights must finish before they change
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        train.step += 1
+        train.tokens_seen += tokens_per_step
+
+        loss_value = loss.detach().float()
+        if env.distributed:  # the logged loss is the global batch's mean, identical on every rank
+            dist.all_reduce(loss_value)
+            loss_value /= env.world_size
+        loss_f = float(loss_value)
+        step_s = time.perf_counter() - t0
+        if loss_csv:
+            loss_csv.row(step=train.step, loss=repr(loss_f), lr=repr(lr), tokens_seen=train.tokens_seen,
+                         wall_time=f"{time.time():.3f}", restart=train.restarts)
+        if progress is not None and (train.step % args.logging_frequency == 0 or train.step == args.training_steps):
+            tok_s = tokens_per_step / step_s
+            postfix = {"loss": f"{loss_f:.4f}", "tok/s": f"{tok_s:,.0f}", "step_s": f"{step_s:.3f}"}
+            if grad_norm is not None:
+                postfix["gnorm"] = f"{float(grad_norm):.2f}"
+            if peak:
+                postfix["mfu"] = f"{100 * flops_per_token * tok_s / env.world_size / peak:.1f}%"
+            progress.set_postfix(postfix, refresh=False)
+            progress.update(train.step - progress.n)
+            if progress.disable:  # not a terminal (batch job log): plain lines instead of a bar
+                print(f"step {train.step}/{args.training_steps} " + " ".join(f"{k} {v}" for k, v in postfix.items()),
+                      flush=True)
+        if profiler is not None:
+            profiler.step()
+
+        manager.poll()  # surface background save errors at a step boundary
+        if policy.due(train.step):
+            if loss_csv:
+                loss_csv.sync()
+            manager.save(train.step, state)
+
+    manager.close()
+    if profiler is not None:
+        profiler.stop()
+    if progress is not None:
+        progress.close()
+    run_s = time.perf_counter() - t_start
+    log0(env, f"done: {train.step} steps, final loss {loss_f:.4f}, "
+              f"{(time.perf_counter() - t_loop):.1f}s in the loop")
+    log0(env, manager.summary(run_s))
+    distributed.shutdown(env)
+    return EXIT_FINISHED
+
+
+def cli() -> int:
+    try:
+        return main()
+    except distributed.LaunchError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
