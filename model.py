@@ -1,0 +1,313 @@
+"""Llama-style decoder-only transformer: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+Reads top to bottom: config and presets, flash-attn detection, then one class per block.
+
+    cfg = get_config("small", vocab_size=32000, max_seq_len=1024)
+    model = Transformer(cfg)                      # attention="sdpa" (default) or "flash"
+    logits = model(tokens)                        # tokens: LongTensor[B, T] -> logits [B, T, vocab]
+
+Notes for train.py:
+- `model.layers` is an nn.ModuleList of TransformerBlock: apply FSDP2 `fully_shard` per block, then to the root.
+- Meta-device init works: build under `torch.device("meta")`, then `model.to_empty(device=...)` and
+  `model.init_weights()` (re-creates the weights AND the RoPE tables, which are non-persistent buffers and so
+  are neither in the state_dict nor restored from a checkpoint). Init is deterministic given torch.manual_seed
+  and the device it runs on.
+- `model.to(dtype)` casts the RoPE tables too. Angles are always computed in fp32, so bf16 tables only round
+  cos/sin (~2^-9), the same rounding the rotated q/k get anyway.
+- Logits come out in the dtype of the output projection: bf16 under autocast. Cross-entropy upcasts internally;
+  no full-vocabulary fp32 copy is made here.
+- Attention "flash" never falls back silently: if it cannot run, construction raises RuntimeError with the
+  one-line message from `flash_attention_problem()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configuration and presets
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4  # < n_heads means grouped-query attention; == n_heads is plain multi-head attention
+    ffn_dim: int = 768  # hidden width of the SwiGLU feed-forward
+    vocab_size: int = 32000
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"ModelConfig: dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"ModelConfig: n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig: head_dim {self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+# Parameter counts (Transformer.num_params(), untied embeddings) at vocab 32000 / at Llama-3's vocab 128256.
+PRESETS: dict[str, ModelConfig] = {
+    # Unit tests: milliseconds on a CPU.                                          4.19M / 16.5M
+    "tiny": ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192),
+    # CPU demo.                                                                   19.53M / 68.8M
+    # Measured (torch 2.13 CPU build, 2 shared cores, AdamW): one forward + backward + optimizer step at
+    # batch 8 x seq 128, vocab 32000 takes ~0.45 s under bf16 autocast and ~0.55-0.6 s in fp32.
+    "small": ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768),
+    # GPT-2-small scale.                                                          124.67M / 272.5M
+    "125m": ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048),
+    # Llama-3.2-1B shape (untied here, hence above its 1.24B).                    1.104B / 1.498B
+    "1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, rope_theta=500000.0),
+    # Llama-3-8B reference shape.                                                 7.242B / 8.030B (= Llama-3-8B)
+    "8b": ModelConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0
+    ),
+}
+
+
+def get_config(preset: str, vocab_size: int, max_seq_len: int) -> ModelConfig:
+    """The preset's shape with the tokenizer's vocabulary size and the training sequence length."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[preset], vocab_size=vocab_size, max_seq_len=max_seq_len)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# flash-attn (optional). FA3 (`flash_attn_interface`, Hopper only) is preferred on sm_90, else FA2 (`flash_attn`).
+# Both take q, k, v as (batch, seq, heads, head_dim) and support fewer KV heads than query heads natively.
+
+_FLASH_IMPORT_ERRORS: list[str] = []
+try:
+    from flash_attn_interface import flash_attn_func as _fa3_func  # type: ignore[import-not-found]
+except (ImportError, OSError, RuntimeError) as e:  # OSError/RuntimeError: installed but built for another CUDA/torch
+    _fa3_func = None
+    if not isinstance(e, ModuleNotFoundError):
+        _FLASH_IMPORT_ERRORS.append(f"flash_attn_interface: {e}")
+try:
+    from flash_attn import flash_attn_func as _fa2_func  # type: ignore[import-not-found]
+except (ImportError, OSError, RuntimeError) as e:
+    _fa2_func = None
+    if not isinstance(e, ModuleNotFoundError):
+        _FLASH_IMPORT_ERRORS.append(f"flash_attn: {e}")
+
+_FLASH_FIX = "run ./setup_flashattention.sh on a GPU node, or drop --use_flash_attention to use PyTorch SDPA"
+
+
+def _flash_func(device: torch.device):
+    """The flash-attn function usable on `device`, or None."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    major, _ = torch.cuda.get_device_capability(device)
+    if _fa3_func is not None and major == 9:
+        return _fa3_func
+    if _fa2_func is not None and major >= 8:
+        return _fa2_func
+    return None
+
+
+def flash_attention_problem(device: torch.device) -> str | None:
+    """None if flash-attn can run on `device`; otherwise one line naming the problem and the fix."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        need = f"needs a CUDA GPU (device is {device.type}) and the flash-attn package"
+        return f"--use_flash_attention {need}; {_FLASH_FIX}"
+    if _fa2_func is None and _fa3_func is None:
+        broken = f" (import failed: {'; '.join(_FLASH_IMPORT_ERRORS)})" if _FLASH_IMPORT_ERRORS else ""
+        return f"--use_flash_attention needs the flash-attn package, which is not importable{broken}; {_FLASH_FIX}"
+    if _flash_func(device) is None:
+        major, minor = torch.cuda.get_device_capability(device)
+        have = "FA3 (Hopper sm_90 only)" if _fa2_func is None else "FA2 (Ampere sm_80 or newer)"
+        return (
+            f"--use_flash_attention: installed flash-attn {have} cannot run on this sm_{major}{minor} GPU; "
+            f"{_FLASH_FIX}"
+        )
+    return None
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in at least fp32 (bf16 mean-of-squares loses too much), return in the input dtype.
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None):
+    """cos and sin of position * frequency, each (max_seq_len, head_dim // 2), fp32."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (batch, seq, heads, head_dim) by position. Pairs are (i, i + head_dim/2) ("rotate half" layout)."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    x1, x2 = x.to(dtype).chunk(2, dim=-1)
+    cos = cos[None, :, None, :].to(dtype)  # (1, seq, 1, head_dim/2), broadcast over batch and heads
+    sin = sin[None, :, None, :].to(dtype)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, attention: str) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        # Resolved once here, not per forward; "flash" that cannot run is an error, never a silent SDPA fallback.
+        self.flash_fn = _flash_func(_default_device()) if attention == "flash" else None
+        if attention == "flash" and self.flash_fn is None:
+            raise RuntimeError(flash_attention_problem(_default_device()))
+        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        if self.flash_fn is not None:
+            out = self.flash_fn(q, k, v, causal=True)  # (B, T, heads, head_dim) in and out
+            if isinstance(out, tuple):  # some FA3 releases return (out, softmax_lse)
+                out = out[0]
+        else:
+            # SDPA wants (B, heads, T, head_dim) and equal head counts: query head h uses KV head h // n_rep,
+            # the same grouping flash-attn uses.
+            n_rep = self.n_heads // self.n_kv_heads
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if n_rep > 1:
+                k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return self.wo(out.reshape(B, T, self.n_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)  # down (residual projection)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then + feed_forward(norm(x))."""
+
+    def __init__(self, config: ModelConfig, attention: str) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config, attention)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+ATTENTION_CHOICES = ("sdpa", "flash")
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig, attention: str = "sdpa") -> None:
+        super().__init__()
+        if attention not in ATTENTION_CHOICES:
+            raise ValueError(f"unknown attention {attention!r}; choose one of: {', '.join(ATTENTION_CHOICES)}")
+        if attention == "flash" and (problem := flash_attention_problem(_default_device())) is not None:
+            raise RuntimeError(problem)
+        self.config = config
+        self.attention_backend = attention
+        # Allocate on "meta" (skipping PyTorch's default per-layer init), then materialise on the default device
+        # and run init_weights once: weights depend only on the seed, exactly as with an explicit meta-device init.
+        device = torch.get_default_device()
+        with torch.device("meta"):
+            self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+            self.layers = nn.ModuleList(TransformerBlock(config, attention) for _ in range(config.n_layers))
+            self.norm = RMSNorm(config.dim, config.norm_eps)
+            self.output = nn.Linear(config.dim, config.vocab_size, bias=False)  # untied from tok_embeddings
+            # RoPE tables: shared by all layers, derived from the config, so not saved (persistent=False).
+            self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.head_dim // 2), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.head_dim // 2), persistent=False)
+        self.to_empty(device=device)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter and the RoPE tables; deterministic given torch.manual_seed.
+
+        Normal(0, 0.02) for embeddings and linear layers; the projections that write into the residual stream
+        (attention.wo, feed_forward.w2) use 0.02 / sqrt(2 * n_layers) so the residual variance does not grow
+        with depth; RMSNorm weights are 1.
+        """
+        std, residual_std = 0.02, 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                is_residual = name.endswith(("attention.wo", "feed_forward.w2"))
+                nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
+        cos, sin = rope_tables(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta,
+                               device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens LongTensor[B, T] -> logits [B, T, vocab_size] (bf16 under bf16 autocast)."""
+        _, T = tokens.shape
+        if T > self.config.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.config.max_seq_len}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Parameter count (global, also for FSDP-sharded or meta models); optionally without the input embedding."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_embeddings.weight.numel() if exclude_embeddings else n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward), for MFU.
+
+        6 * N (N = parameters doing matmuls, i.e. all but the input-embedding lookup) plus the attention
+        score/value matmuls 12 * n_layers * n_heads * head_dim * seq_len (PaLM appendix B convention; does not
+        halve for the causal mask).
+        """
+        c = self.config
+        return 6 * self.num_params(exclude_embeddings=True) + 12 * c.n_layers * c.n_heads * c.head_dim * seq_len
