@@ -121,6 +121,21 @@ def all_reduce_max(value: float, env: DistEnv) -> float:
     return float(t.item())
 
 
+def replicas_identical(model: torch.nn.Module, env: DistEnv) -> bool:
+    """True when every rank holds bitwise the same parameters (data parallelism's invariant). Cheap: one crc per rank."""
+    import zlib
+
+    crc = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p  # FSDP shards differ by design; compare DDP replicas
+        crc = zlib.crc32(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    if not env.distributed:
+        return True
+    crcs: list = [None] * env.world_size
+    dist.all_gather_object(crcs, crc)
+    return len(set(crcs)) == 1
+
+
 def shutdown(env: DistEnv) -> None:
     if env.distributed and dist.is_initialized():
         dist.destroy_process_group()

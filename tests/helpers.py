@@ -1,0 +1,69 @@
+"""Shared test helpers: run the real CLI in subprocesses, exactly as a user would."""
+
+from __future__ import annotations
+
+import csv
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+# The tiny configuration every end-to-end test trains (seconds per run on 2 CPU cores).
+TINY = ["--model", "tiny", "--sequence-length", "32", "--batch-size", "4", "--lr-warmup-steps", "5",
+        "--logging-frequency", "5"]
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() == "true"
+
+
+def env_for_tests(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.pop("PYRECOVER_FAULT", None)
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    env.update(extra or {})
+    return env
+
+
+def run_train(args: list[str], *, env: dict | None = None, timeout: float = 300, check: bool = False,
+              cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    proc = subprocess.run([PY, str(ROOT / "train.py"), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env_for_tests(env), cwd=cwd)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(nproc: int, args: list[str]) -> list[str]:
+    return [PY, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}", str(ROOT / "train.py"), "--distributed", *args]
+
+
+def run_torchrun(nproc: int, args: list[str], *, env: dict | None = None, timeout: float = 300,
+                 check: bool = False) -> subprocess.CompletedProcess:
+    proc = subprocess.run(torchrun_cmd(nproc, args), capture_output=True, text=True, timeout=timeout,
+                          env=env_for_tests(env), cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"torchrun exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def check_weights(a: Path, b: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, str(ROOT / "tests" / "check_weights_equality.py"), str(a), str(b), *extra],
+                          capture_output=True, text=True, timeout=120, env=env_for_tests())
+
+
+def loss_rows(path: Path) -> list[tuple[str, str, str, str]]:
+    """The deterministic columns of a loss CSV (wall time and restart count legitimately differ between runs)."""
+    with open(path, newline="") as f:
+        return [(r["step"], r["loss"], r["lr"], r["tokens_seen"]) for r in csv.DictReader(f)]
