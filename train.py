@@ -28,7 +28,9 @@ import torch.nn.functional as F
 import distributed
 from checkpoint import (CheckpointError, CheckpointManager, CheckpointState, ModelState, OptimizerState, RankInfo, RNGState, RunInfo,
                         TrainState, make_backend)
+from checkpoint import layout
 from checkpoint.fsio import fsync_dir
+from checkpoint import jit as checkpoint_jit
 from checkpoint.policy import IntervalPolicy
 from dataset import DEFAULT_TOKENIZER, DataError, TrainLoader, load_token_windows, load_tokenizer
 from model import PRESETS, Transformer, flash_attention_problem, get_config
@@ -39,6 +41,7 @@ __version__ = "0.1.0"
 EXIT_FINISHED = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
+EXIT_REQUEUE = 3  # stopped with the state saved (--jit-checkpoint after a rank failed): rerun/requeue to resume
 
 
 class BadInput(Exception):
@@ -89,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--use_flash_attention", action="store_true", help="flash-attn kernels (CUDA + flash-attn only; no fallback)")
 
     g = p.add_argument_group("distributed")
+    flag("--pg-timeout-seconds", type=float, default=None,
+         help="timeout of collectives in the training loop (setup keeps 600 s): how long a hung rank goes unnoticed; "
+              "must exceed the longest blocking save. Default: 600")
     flag("--distributed", action="store_true", help="data-parallel over torchrun or srun ranks (NCCL on GPU, gloo on CPU)")
     flag("--parallel", default="ddp", choices=["ddp"], help="data-parallel strategy with --distributed")
 
@@ -103,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--max-kept-checkpoints", type=int, default=3, help="keep the newest K committed checkpoints (0 = keep all)")
     flag("--keep-every", type=int, default=0, help="also keep every checkpoint whose step is a multiple of N")
     flag("--timeaware-checkpointing", action="store_true", help="save and stop before the SLURM walltime runs out")
+    flag("--on-save-error", default="stop", choices=["stop", "continue"],
+         help="a save that fails (e.g. disk full; the previous checkpoint stays intact and `latest`): stop = exit 1 at "
+              "once; continue = warn, keep training, retry at the next interval (exit 1 if the final save fails)")
+    flag("--jit-checkpoint", action="store_true",
+         help="just-in-time checkpoint: if a rank fails mid-step, a surviving rank saves the last completed step and "
+              "exits with code 3 (requeue); a rerun replays at most one step (see checkpoint/jit.py)")
 
     g = p.add_argument_group("logging")
     flag("--logging-frequency", type=int, default=10, help="progress-bar/log update every N steps")
@@ -208,6 +220,15 @@ def validate(args: argparse.Namespace, env: distributed.DistEnv):
     return tokenizer, windows, config
 
 
+def on_save_error(args: argparse.Namespace, error: CheckpointError, step: int) -> int:
+    """--on-save-error: `stop` re-raises (one line, exit 1); `continue` warns and returns the step it happened at."""
+    if args.on_save_error == "stop":
+        raise error
+    print(f"warning: {error}; training continues (--on-save-error continue), the next save retries", file=sys.stderr,
+          flush=True)
+    return step
+
+
 def agree_on_failure(env: distributed.DistEnv, failed: bool) -> bool:
     """All ranks learn whether any rank failed setup, so none is left waiting in a collective."""
     return distributed.all_reduce_max(1.0 if failed else 0.0, env) > 0
@@ -230,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tokenizer, windows, config = validate(args, env)
         run_root = Path(args.checkpoint_dir) / args.experiment_name
+        if env.is_main:
+            layout.ensure_writable(run_root)  # fail now, not at the first save hours from now
         rank_info = RankInfo(env.rank, env.world_size, env.local_rank)
         backend = make_backend(args.checkpoint_backend, rank_info)
     except (BadInput, DataError, CheckpointError, ValueError, RuntimeError) as e:
@@ -311,12 +334,20 @@ def main(argv: list[str] | None = None) -> int:
             on_trace_ready=torch.profiler.tensorboard_trace_handler(str(run_root / "profile")))
         profiler.start()
 
+    jit = checkpoint_jit.setup(args.jit_checkpoint, root=run_root, state=state, rank=rank_info, run_id=run_id[0],
+                               model=model, current_step=lambda: train.step,
+                               reseed=lambda r: seed_everything(args.seed + r), log=lambda m: print(m, flush=True))
+    if env.distributed and args.pg_timeout_seconds:
+        distributed.set_timeout(args.pg_timeout_seconds)
+    save_failed_at, saved_at = None, None  # --on-save-error continue: the final checkpoint must still exist
+
     # --- the loop ------------------------------------------------------------------------------------------------
     model.train()
     t_loop = time.perf_counter()
     loss_f = float("nan")
     while train.step < args.training_steps:
         t0 = time.perf_counter()
+        jit.begin_step()  # --jit-checkpoint: from here until the optimizer step the last step's state is intact
         inputs, targets = loader.next_batch()
         inputs, targets = inputs.to(env.device, non_blocking=True), targets.to(env.device, non_blocking=True)
         with autocast:
@@ -330,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_max_norm) if args.grad_max_norm > 0 else None
 
         manager.wait_staged()  # an async save still copying the weights must finish before they change
+        jit.begin_optimizer()
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
@@ -340,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.zero_grad(set_to_none=True)
         train.step += 1
         train.tokens_seen += tokens_per_step
+        jit.end_step()
 
         loss_value = loss.detach().float()
         if env.distributed:  # the logged loss is the global batch's mean, identical on every rank
@@ -365,13 +398,24 @@ def main(argv: list[str] | None = None) -> int:
         if profiler is not None:
             profiler.step()
 
-        manager.poll()  # surface background save errors at a step boundary
-        if policy.due(train.step):
-            if loss_csv:
-                loss_csv.sync()
-            manager.save(train.step, state)
+        try:
+            manager.poll()  # surface background save errors at a step boundary
+            if policy.due(train.step):
+                if loss_csv:
+                    loss_csv.sync()
+                manager.save(train.step, state)
+                saved_at = train.step
+        except CheckpointError as e:  # e.g. disk full
+            save_failed_at = on_save_error(args, e, train.step)
 
-    manager.close()
+    try:
+        manager.close()
+    except CheckpointError as e:
+        save_failed_at = on_save_error(args, e, train.step)
+    if save_failed_at is not None and save_failed_at >= (saved_at or 0):
+        print(f"error: training reached step {train.step} but its final checkpoint could not be saved (save failed "
+              f"at step {save_failed_at}); resume from `latest` repeats the steps since", file=sys.stderr, flush=True)
+        return EXIT_FAILED
     if env.distributed and args.parallel == "ddp":
         same = distributed.replicas_identical(model, env)
         log0(env, f"replica check: parameters {'identical' if same else 'DIFFER'} across {env.world_size} ranks")
@@ -398,6 +442,10 @@ def cli() -> int:
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED
+    except Exception as e:
+        if checkpoint_jit.recover(e):  # --jit-checkpoint: this healthy rank saved the last completed step (or another)
+            return EXIT_REQUEUE
+        raise
 
 
 if __name__ == "__main__":

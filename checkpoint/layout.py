@@ -48,8 +48,11 @@ def safe_relpath(name: str, where: Path) -> str:
 # --- writing -------------------------------------------------------------------------------------------------------
 
 
-def write_part_record(step_dir: Path, rank: int, files: dict[str, dict], run_id: str = "") -> None:
+def write_part_record(step_dir: Path, rank: int, files: dict[str, dict], run_id: str = "", error: str = "") -> None:
+    """``error``: this rank's save failed (e.g. disk full); rank 0 then gives up on the commit instead of waiting."""
     record = {"rank": rank, "run_id": run_id, "files": files}
+    if error:
+        record["error"] = error
     atomic_write_bytes(step_dir / part_record_name(rank), json.dumps(record, indent=1, sort_keys=True).encode())
 
 
@@ -65,6 +68,9 @@ def wait_for_part_records(step_dir: Path, world_size: int, timeout: float, run_i
     while True:
         records = [_read_record(p) for p in paths]
         missing = [p for p, r in zip(paths, records) if r is None or r.get("run_id", "") != run_id]
+        failed = [r for r in records if r is not None and r.get("run_id", "") == run_id and r.get("error")]
+        if failed:
+            raise CheckpointError(f"{step_dir}: rank {failed[0]['rank']} failed to write its part ({failed[0]['error']})")
         if not missing:
             return records
         if time.monotonic() > deadline:

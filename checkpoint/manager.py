@@ -78,8 +78,6 @@ class CheckpointManager:
         self.in_flight: deque[SaveHandle] = deque()
         self.history: list[SaveRecord] = []
         self.load_seconds = 0.0
-        if rank.is_main:
-            layout.ensure_writable(self.root)
 
     # --- save ----------------------------------------------------------------------------------------------------
     def save(self, step: int, state: CheckpointState) -> SaveHandle:
@@ -95,6 +93,7 @@ class CheckpointManager:
         try:
             payload = self.backend.save(step_dir, state)
         except OSError as e:
+            self._abandon(step_dir, e)
             raise self._io_error(step, e) from None
         record = SaveRecord(step, blocking_s=time.perf_counter() - t0)
 
@@ -108,6 +107,7 @@ class CheckpointManager:
                     layout.commit(step_dir, step, self.rank.world_size, self.backend.name, parts)
                     record.bytes = sum(r["size"] for p in parts for r in p["files"].values())
             except OSError as e:
+                self._abandon(step_dir, e)
                 raise self._io_error(step, e) from None
             record.durable_s = time.perf_counter() - t0
             self._log_save(record)
@@ -133,6 +133,18 @@ class CheckpointManager:
             step_dir.rename(trash)
             shutil.rmtree(trash, ignore_errors=True)
         step_dir.mkdir(parents=True)
+
+    def _abandon(self, step_dir: Path, e: OSError) -> None:
+        """A save failed on this rank. Rank 0 removes the uncommitted folder (a full disk gets its space back for the next
+        attempt); another rank leaves a failure record so rank 0 stops waiting for its part at once. Best effort."""
+        try:
+            if self.rank.is_main:
+                if not (step_dir / layout.COMMITTED).exists():
+                    shutil.rmtree(step_dir, ignore_errors=True)
+            else:
+                layout.write_part_record(step_dir, self.rank.rank, {}, run_id=self.run_id, error=str(e.strerror or e))
+        except OSError:
+            pass
 
     def _io_error(self, step: int, e: OSError) -> CheckpointError:
         if is_disk_full(e):

@@ -87,6 +87,13 @@ def _is_fsdp(model: torch.nn.Module) -> bool:
 
 def check_compatible(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> None:
     """One clear line naming the first mismatched tensor, instead of PyTorch's wall of size-mismatch messages."""
+    for key, tensor in expected.items():  # shapes first: they say most about *which* config it was saved with
+        got = found.get(key)
+        if got is not None and tuple(got.shape) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"checkpoint does not fit this model: tensor {key!r} has shape {list(got.shape)} in the checkpoint "
+                f"but {list(tensor.shape)} in this model; use the --model preset and tokenizer it was saved with"
+            )
     missing = [k for k in expected if k not in found]
     extra = [k for k in found if k not in expected]
     if missing or extra:
@@ -95,13 +102,6 @@ def check_compatible(expected: dict[str, torch.Tensor], found: dict[str, torch.T
             f"checkpoint does not fit this model: {what} ({len(missing)} missing, {len(extra)} unexpected tensors); "
             "was it saved with another --model preset or tokenizer?"
         )
-    for key, tensor in expected.items():
-        got = found[key]
-        if tuple(got.shape) != tuple(tensor.shape):
-            raise CheckpointError(
-                f"checkpoint does not fit this model: tensor {key!r} has shape {list(got.shape)} in the checkpoint "
-                f"but {list(tensor.shape)} in this model; use the --model preset and tokenizer it was saved with"
-            )
 
 
 @dataclass

@@ -1,0 +1,246 @@
+"""checkpoint/ core: kill anywhere, resume bit-exact; latest, retention, verification, bad input, the CLIs."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import PY, ROOT, TINY, check_weights, env_for_tests, loss_rows, run_train, torchrun_cmd
+
+sys.path.insert(0, str(ROOT))
+from checkpoint import layout  # noqa: E402
+
+STEPS = 24
+FREQ = 4
+
+
+def _args(corpus: str, ckdir: Path) -> list[str]:
+    return TINY + ["--dataset", corpus, "--training-steps", str(STEPS), "--checkpoint-frequency", str(FREQ),
+                   "--log-loss-to-csv", "--checkpoint-dir", str(ckdir), "--max-kept-checkpoints", "2"]
+
+
+def _cmd(nproc: int, args: list[str]) -> list[str]:
+    return [PY, str(ROOT / "train.py"), *args] if nproc == 1 else torchrun_cmd(nproc, args)
+
+
+def _run(nproc: int, args: list[str], env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(_cmd(nproc, args), capture_output=True, text=True, timeout=timeout, env=env_for_tests(env),
+                          cwd=ROOT)
+
+
+def _rows(csv: Path) -> int:
+    try:
+        return max(0, len(csv.read_text().splitlines()) - 1)
+    except FileNotFoundError:
+        return 0
+
+
+def _kill_at_row(nproc: int, args: list[str], csv: Path, row: int, timeout: float = 300) -> None:
+    """Start a run and SIGKILL its whole process group once the loss CSV shows `row` steps: a real `kill -9`."""
+    proc = subprocess.Popen(_cmd(nproc, args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env_for_tests(), cwd=ROOT, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while _rows(csv) < row:
+            assert proc.poll() is None, f"run ended (rc {proc.returncode}) before step {row}"
+            assert time.monotonic() < deadline, "timed out waiting for the run to reach the kill step"
+            time.sleep(0.01)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    """Uninterrupted runs, single process and 2 ranks."""
+    refs = {}
+    for nproc in (1, 2):
+        ck = tmp_path_factory.mktemp(f"ref{nproc}")
+        proc = _run(nproc, _args(corpus, ck))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        refs[nproc] = ck / "default"
+    return refs
+
+
+def _assert_same_as_reference(ref: Path, run: Path) -> None:
+    cmp = check_weights(ref, run, "--tolerance", "0", "--optimizer")
+    assert cmp.returncode == 0, cmp.stdout + cmp.stderr
+    assert "bitwise" in cmp.stdout
+    assert loss_rows(run / "loss.csv") == loss_rows(ref / "loss.csv")
+    assert [int(r[0]) for r in loss_rows(run / "loss.csv")] == list(range(1, STEPS + 1))  # every step exactly once
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigkill_at_random_step_then_resume_is_bit_exact(nproc, corpus, tmp_path, reference):
+    seed = int(os.environ.get("PYRECOVER_TEST_SEED", time.time_ns() % 10_000))
+    kill_row = random.Random(seed).randint(FREQ + 1, STEPS - 2)
+    print(f"kill at step {kill_row} (PYRECOVER_TEST_SEED={seed})")
+    args = _args(corpus, tmp_path)
+    _kill_at_row(nproc, args, tmp_path / "default/loss.csv", kill_row)
+    proc = _run(nproc, args + ["--resume-from-checkpoint", "latest"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout
+    _assert_same_as_reference(reference[nproc], tmp_path / "default")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigkill_inside_a_save_leaves_previous_checkpoint_latest(nproc, corpus, tmp_path, reference):
+    # Vanilla writes 6 shared files + 1 rank file per save on rank 0: the 10th rename is inside the 2nd save (step 8).
+    args = _args(corpus, tmp_path)
+    proc = _run(nproc, args, env={"PYRECOVER_FAULT": "after_fsync_before_rename:10"})
+    assert proc.returncode != 0
+    root = tmp_path / "default"
+    infos = {i.step: i.committed for i in layout.list_checkpoints(root)}
+    assert infos.get(8) is False and infos.get(4) is True, infos
+    assert layout.resolve(root, "latest").step == 4
+    proc = _run(nproc, args + ["--resume-from-checkpoint", "latest"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "skipping" in proc.stdout and "step-00000008" in proc.stdout  # the partial one is named, then skipped
+    assert "resumed from" in proc.stdout and "step 4" in proc.stdout
+    _assert_same_as_reference(reference[nproc], root)
+
+
+def test_bitflip_falls_back_to_previous_checkpoint(corpus, tmp_path, reference):
+    args = _args(corpus, tmp_path)
+    _kill_at_row(1, args, tmp_path / "default/loss.csv", 13)
+    root = tmp_path / "default"
+    newest = layout.list_checkpoints(root)[-1]
+    model_pt = newest.path / "model.pt"
+    data = bytearray(model_pt.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    model_pt.write_bytes(bytes(data))
+    proc = _run(1, args + ["--resume-from-checkpoint", "latest"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{model_pt} fails its checksum" in proc.stdout
+    assert f"step {newest.step - FREQ}" in proc.stdout
+    _assert_same_as_reference(reference[1], root)
+
+
+def _fake_checkpoint(root: Path, step: int, committed: bool = True) -> Path:
+    d = root / layout.step_dir_name(step)
+    d.mkdir(parents=True)
+    rec = layout.atomic_write_bytes(d / "model.pt", b"x" * 10)
+    parts = [{"rank": 0, "files": {"model.pt": rec}}]
+    if committed:
+        layout.commit(d, step, 1, "vanilla", parts)
+    return d
+
+
+def test_retention_orders_by_numeric_step(tmp_path):
+    for step in (99, 100, 1000):
+        _fake_checkpoint(tmp_path, step)
+    _fake_checkpoint(tmp_path, 5, committed=False)  # crash leftover, older than the newest commit
+    _fake_checkpoint(tmp_path, 2000, committed=False)  # newer, maybe in progress: must survive
+    assert [i.step for i in layout.list_checkpoints(tmp_path)] == [5, 99, 100, 1000, 2000]
+    deleted = layout.apply_retention(tmp_path, keep=2, log=lambda m: None)
+    assert sorted(deleted) == [5, 99]
+    assert [i.step for i in layout.list_checkpoints(tmp_path)] == [100, 1000, 2000]
+    assert layout.resolve(tmp_path, "latest").step == 1000
+    # keep=1 never deletes the newest committed one; milestones survive
+    _fake_checkpoint(tmp_path, 3000)
+    layout.apply_retention(tmp_path, keep=1, keep_every=1000, log=lambda m: None)
+    assert [i.step for i in layout.list_checkpoints(tmp_path) if i.committed] == [1000, 3000]
+
+
+def test_retention_in_a_real_run_keeps_newest_k(corpus, tmp_path):
+    run_train(_args(corpus, tmp_path), check=True)
+    steps = [i.step for i in layout.list_checkpoints(tmp_path / "default")]
+    assert steps == [20, 24]
+
+
+def test_malicious_pickle_is_refused_and_never_runs(corpus, tmp_path):
+    run_train(_args(corpus, tmp_path) + ["--training-steps", "4"], check=True)
+    step_dir = tmp_path / "default" / layout.step_dir_name(4)
+    marker = tmp_path / "PWNED"
+    torch.save({"payload": _Evil(str(marker))}, step_dir / "model.pt")
+    # Re-seal manifest + commit so only the weights_only guard stands between the file and execution.
+    files = json.loads((step_dir / "manifest.json").read_text())["files"]
+    files["model.pt"] = layout.atomic_write_bytes(step_dir / "model.pt", (step_dir / "model.pt").read_bytes())
+    (step_dir / "COMMITTED").unlink()
+    layout.commit(step_dir, 4, 1, "vanilla", [{"rank": 0, "files": files}])
+    proc = run_train(_args(corpus, tmp_path) + ["--training-steps", "8", "--resume-from-checkpoint", "latest"])
+    assert proc.returncode != 0
+    assert "refusing to load" in proc.stderr and "weights_only" in proc.stderr
+    assert not marker.exists()
+
+
+class _Evil:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_resume_bad_inputs(corpus, tmp_path):
+    args = _args(corpus, tmp_path) + ["--training-steps", "4"]
+    # a path that does not exist
+    proc = run_train(args + ["--resume-from-checkpoint", str(tmp_path / "nope")])
+    assert proc.returncode == 2 and "not found" in proc.stderr and "Traceback" not in proc.stderr
+    # `latest` with nothing there: starts fresh and says so
+    proc = run_train(args + ["--resume-from-checkpoint", "latest"], check=True)
+    assert "no checkpoint found" in proc.stdout and "starting fresh" in proc.stdout
+    # a different model config: names the first mismatching tensor and both shapes
+    proc = run_train(_args(corpus, tmp_path) + ["--model", "small", "--training-steps", "8",
+                                                "--resume-from-checkpoint", "latest"])
+    assert proc.returncode == 2
+    err = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert len(err) == 1 and "shape" in err[0] and "[" in err[0], proc.stderr
+    # a checkpoint dir that cannot be written: refused at startup
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    proc = run_train(TINY + ["--dataset", corpus, "--checkpoint-dir", str(blocker / "sub"), "--training-steps", "4"])
+    assert proc.returncode == 2 and "not writable" in proc.stderr and "step 1" not in proc.stdout
+
+
+def test_resume_by_step_and_by_path(corpus, tmp_path):
+    run_train(_args(corpus, tmp_path) + ["--training-steps", "8"], check=True)
+    proc = run_train(_args(corpus, tmp_path) + ["--training-steps", "10", "--resume-from-checkpoint", "4"], check=True)
+    assert "step 4" in proc.stdout
+    path = tmp_path / "default" / layout.step_dir_name(10)
+    proc = run_train(_args(corpus, tmp_path) + ["--training-steps", "12", "--resume-from-checkpoint", str(path)],
+                     check=True)
+    assert "step 10" in proc.stdout
+
+
+def test_check_weights_equality_exit_codes(corpus, tmp_path):
+    run_train(_args(corpus, tmp_path / "a") + ["--training-steps", "4"], check=True)
+    run_train(_args(corpus, tmp_path / "b") + ["--training-steps", "4", "--seed", "7"], check=True)
+    a, b = tmp_path / "a/default/step-00000004", tmp_path / "b/default/step-00000004"
+    same = check_weights(a, a, "--tolerance", "0", "--verbose", "--optimizer")
+    assert same.returncode == 0 and "max|a-b|" in same.stdout
+    diff = check_weights(a, b, "--tolerance", "0")
+    assert diff.returncode == 1 and "differs" in diff.stdout
+    loose = check_weights(a, b, "--tolerance", "100")
+    assert loose.returncode == 0
+    missing = check_weights(a, tmp_path / "nope")
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+    single_file = check_weights(a / "model.pt", a, "--tolerance", "0")
+    assert single_file.returncode == 0
+
+
+def test_checkpoint_cli_list_verify_inspect(corpus, tmp_path):
+    run_train(_args(corpus, tmp_path) + ["--training-steps", "8"], check=True)
+    root = tmp_path / "default"
+
+    def cli(*a):
+        return subprocess.run([PY, "-m", "checkpoint", *a], capture_output=True, text=True, cwd=ROOT,
+                              env=env_for_tests(), timeout=120)
+
+    out = cli("list", str(root))
+    assert out.returncode == 0 and "<- latest" in out.stdout and "valid" in out.stdout
+    assert cli("verify", str(root)).returncode == 0
+    out = cli("inspect", str(root / "step-00000008"))
+    assert out.returncode == 0 and "tok_embeddings.weight" in out.stdout and '"step": 8' in out.stdout
+    (root / "step-00000008" / "optimizer.pt").write_bytes(b"garbage")
+    out = cli("verify", str(root))
+    assert out.returncode == 1 and "FAILED" in out.stdout
