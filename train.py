@@ -31,7 +31,7 @@ from checkpoint import (CheckpointError, CheckpointManager, CheckpointState, Mod
 from checkpoint import layout
 from checkpoint.fsio import fsync_dir
 from checkpoint import jit as checkpoint_jit
-from checkpoint.policy import IntervalPolicy
+from checkpoint import policy as stop_policy
 from dataset import DEFAULT_TOKENIZER, DataError, TrainLoader, load_token_windows, load_tokenizer
 from model import PRESETS, Transformer, flash_attention_problem, get_config
 
@@ -41,11 +41,30 @@ __version__ = "0.1.0"
 EXIT_FINISHED = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
-EXIT_REQUEUE = 3  # stopped with the state saved (--jit-checkpoint after a rank failed): rerun/requeue to resume
+# 3-5: stopped early with the state saved (a checkpoint committed); resuming from `latest` loses nothing.
+EXIT_REQUEUE = 3  # to be continued: requeued by train.py (SLURM signal/walltime stop), or --jit-checkpoint after a
+#                   rank failed (then the launcher reruns/requeues)
+EXIT_STOPPED = 4  # not requeued: SIGTERM, --no-requeue, job array task, --max-restarts reached, or not under SLURM
+EXIT_REQUEUE_FAILED = 5  # a requeue was due but failed (e.g. scontrol missing): resubmit to continue
 
 
 class BadInput(Exception):
     """A user mistake detected before training: one line, exit code 2."""
+
+
+def _signal_flag(text: str) -> str:
+    try:
+        stop_policy.parse_signal(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _walltime_flag(text: str) -> float:
+    try:
+        return stop_policy.parse_walltime(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -104,7 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--checkpoint-frequency", type=int, default=100, help="save every N steps (0 = only at the end)")
     flag("--resume-from-checkpoint", default=None, metavar="latest|STEP|PATH",
          help="resume: `latest` (newest verified checkpoint; starts fresh if there is none), a step, or a path")
-    flag("--checkpoint-backend", default="vanilla", choices=["vanilla"], help="how checkpoint bytes are written")
+    flag("--checkpoint-backend", default="vanilla", choices=["vanilla", "concurrent"],
+         help="how checkpoint bytes are written (concurrent: snapshot to host buffers, persist in the background)")
+    flag("--max-async", type=int, default=2, metavar="N",
+         help="concurrent backend: checkpoints persisting at once (= host buffer sets of the state's size)")
     flag("--use-torch-distributed-ckpt", action="store_true", help="alias of --checkpoint-backend dcp")
     flag("--max-kept-checkpoints", type=int, default=3, help="keep the newest K committed checkpoints (0 = keep all)")
     flag("--keep-every", type=int, default=0, help="also keep every checkpoint whose step is a multiple of N")
@@ -115,6 +137,22 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--jit-checkpoint", action="store_true",
          help="just-in-time checkpoint: if a rank fails mid-step, a surviving rank saves the last completed step and "
               "exits with code 3 (requeue); a rerun replays at most one step (see checkpoint/jit.py)")
+
+    g = p.add_argument_group("stopping in time (SLURM): signals, walltime, requeue -- see checkpoint/policy.py")
+    flag("--signal", type=_signal_flag, default="SIGUSR1",
+         help="signal meaning 'save at the next step boundary, stop, requeue' (SLURM's --signal warning; `none` = off); "
+              "SIGTERM is always 'save and stop' (no requeue)")
+    flag("--walltime", type=_walltime_flag, default=None, metavar="[D-]HH:MM:SS",
+         help="with --timeaware-checkpointing: a deadline counted from the start of train.py, for runs without a "
+              "SLURM time limit (under SLURM the job's end time is read from squeue; the earlier one wins)")
+    flag("--walltime-margin-seconds", type=float, default=60.0,
+         help="--timeaware-checkpointing stops when time left < longest save + 3 x step time + this margin")
+    flag("--checkpoint-interval-minutes", type=float, default=0.0,
+         help="also save every N minutes of wall-clock time (0 = off; 10-15 is the usual HPC advice)")
+    flag("--requeue", action=argparse.BooleanOptionalAction, default=None,
+         help="after a signal/walltime stop, `scontrol requeue` the job once the checkpoint has committed "
+              "(default: on in a SLURM job, off in a job array task, whose next task resumes instead)")
+    flag("--max-restarts", type=int, default=100, help="do not requeue once SLURM_RESTART_COUNT reaches this")
 
     g = p.add_argument_group("logging")
     flag("--logging-frequency", type=int, default=10, help="progress-bar/log update every N steps")
@@ -241,6 +279,8 @@ def agree_on_failure(env: distributed.DistEnv, failed: bool) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    wall_start = time.time()  # --walltime counts from here
+    signals = stop_policy.install_signal_handlers(args.signal)  # first: SLURM's warning must not kill us during setup
     if args.use_torch_distributed_ckpt:
         args.checkpoint_backend = "dcp"
     t_start = time.perf_counter()
@@ -254,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         if env.is_main:
             layout.ensure_writable(run_root)  # fail now, not at the first save hours from now
         rank_info = RankInfo(env.rank, env.world_size, env.local_rank)
-        backend = make_backend(args.checkpoint_backend, rank_info)
+        backend_options = ({"max_async": args.max_async, "log": lambda m: log0(env, m)}
+                           if args.checkpoint_backend == "concurrent" else {})
+        backend = make_backend(args.checkpoint_backend, rank_info, **backend_options)
     except (BadInput, DataError, CheckpointError, ValueError, RuntimeError) as e:
         error = e
     if agree_on_failure(env, error is not None):
@@ -310,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
         csv_path = run_root / "loss.csv" if args.log_loss_to_csv == "auto" else Path(args.log_loss_to_csv)
     loss_csv = LossCSV(csv_path, resumed_step) if (csv_path and env.is_main) else None
 
-    policy = IntervalPolicy(args.checkpoint_frequency, args.training_steps)
+    policy = stop_policy.from_args(args, rank=env.rank, agree=lambda v: distributed.all_reduce_max(v, env),
+                                   signals=signals, log=lambda m: print(m, flush=True), save_history=manager.history,
+                                   start=wall_start)
     autocast = distributed.autocast(env, args.model_dtype)
     params = [p for p in model.parameters()]
     tokens_per_step = args.batch_size * args.sequence_length * env.world_size
@@ -340,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     if env.distributed and args.pg_timeout_seconds:
         distributed.set_timeout(args.pg_timeout_seconds)
     save_failed_at, saved_at = None, None  # --on-save-error continue: the final checkpoint must still exist
+    policy.start()  # from here on SIGTERM / --signal mean "save at the next step boundary and stop"
 
     # --- the loop ------------------------------------------------------------------------------------------------
     model.train()
@@ -398,15 +443,18 @@ def main(argv: list[str] | None = None) -> int:
         if profiler is not None:
             profiler.step()
 
+        decision = policy(train.step)  # intervals, signals, walltime: one small all-reduce, the same on every rank
         try:
             manager.poll()  # surface background save errors at a step boundary
-            if policy.due(train.step):
+            if decision.save:
                 if loss_csv:
                     loss_csv.sync()
                 manager.save(train.step, state)
                 saved_at = train.step
         except CheckpointError as e:  # e.g. disk full
             save_failed_at = on_save_error(args, e, train.step)
+        if decision.stop:
+            break  # saved just above, by every rank at this step; manager.close() waits until it has committed
 
     try:
         manager.close()
@@ -429,8 +477,10 @@ def main(argv: list[str] | None = None) -> int:
     log0(env, f"done: {train.step} steps, final loss {loss_f:.4f}, "
               f"{(time.perf_counter() - t_loop):.1f}s in the loop")
     log0(env, manager.summary(run_s))
+    outcome = policy.finish(train.step, args.training_steps)  # a stop before the end: rank 0 requeues (committed above)
     distributed.shutdown(env)
-    return EXIT_FINISHED
+    return {stop_policy.FINISHED: EXIT_FINISHED, stop_policy.REQUEUED: EXIT_REQUEUE, stop_policy.STOPPED: EXIT_STOPPED,
+            stop_policy.REQUEUE_FAILED: EXIT_REQUEUE_FAILED}[outcome]
 
 
 def cli() -> int:

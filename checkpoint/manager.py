@@ -112,7 +112,9 @@ class CheckpointManager:
             record.durable_s = time.perf_counter() - t0
             self._log_save(record)
             if self.rank.is_main:
-                in_flight = {h.step for h in self.in_flight if h.step != step}
+                # list(): a C-level copy, atomic under the GIL; iterating the deque itself from this background thread
+                # races with the training thread appending/reaping ("deque mutated during iteration").
+                in_flight = {h.step for h in list(self.in_flight) if h.step != step}
                 layout.apply_retention(self.root, self.keep, keep_every=self.keep_every, in_flight=in_flight, log=self.log)
 
         if payload.done():
@@ -155,9 +157,30 @@ class CheckpointManager:
         return CheckpointError(f"saving step {step} to {self.root} failed: {e.strerror or e} ({e.filename or ''})")
 
     def _reap(self, block_until_below: int) -> None:
-        """Collect finished saves (re-raising their errors); block while too many are in flight."""
-        while self.in_flight and (self.in_flight[0].done() or len(self.in_flight) >= block_until_below):
-            self.in_flight.popleft().wait()
+        """Collect finished saves (re-raising their errors); block while too many are in flight.
+
+        With several saves in flight a later one can fail while an earlier one is still writing: it is reported now,
+        not after the earlier ones finish. Before any error propagates, the other saves in flight are waited for, so
+        they still commit and the process never exits under a half-written save it could have finished."""
+        try:
+            while self.in_flight and (self.in_flight[0].done() or len(self.in_flight) >= block_until_below):
+                self.in_flight.popleft().wait()
+            for h in [h for h in self.in_flight if h.done()]:
+                self.in_flight.remove(h)
+                h.wait()
+        except Exception:
+            self._drain()
+            raise
+
+    def _drain(self) -> None:
+        if self.in_flight:
+            self.log(f"waiting for {len(self.in_flight)} other checkpoint save(s) in flight before stopping")
+        while self.in_flight:
+            h = self.in_flight.popleft()
+            try:
+                h.wait()
+            except Exception as e:  # noqa: BLE001 - the first error is the one raised; later ones are logged
+                self.log(f"warning: {e}")
 
     def wait_staged(self) -> None:
         """Block until every in-flight save has captured its state. train.py calls this right before

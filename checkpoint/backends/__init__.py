@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from .base import Backend, PayloadHandle, RankInfo
+from .concurrent import ConcurrentBackend
 from .vanilla import VanillaBackend
 
-BACKENDS: dict[str, type[Backend]] = {"vanilla": VanillaBackend}
+BACKENDS: dict[str, type[Backend]] = {"vanilla": VanillaBackend, "concurrent": ConcurrentBackend}
 
 
 def make_backend(name: str, rank: RankInfo, **options) -> Backend:
