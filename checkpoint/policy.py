@@ -1,8 +1,53 @@
-"""WHEN to save and when to stop. Pure decisions over a clock and counters, so they are testable without SLURM."""
+"""WHEN to save and when to stop. Pure decisions over a clock and counters, so they are testable without SLURM.
+
+The training loop asks one question at every step boundary, ``decision = boundary(step)``, and every rank gets the
+same answer for the same step:
+
+* **step interval** (``--checkpoint-frequency``) and the final step: deterministic, the same on every rank;
+* **wall-clock interval** (``--checkpoint-interval-minutes``): rank 0's clock;
+* **walltime** (``--timeaware-checkpointing``): rank 0 knows the job's deadline (``SLURM_JOB_END_TIME``, else
+  ``squeue``/``scontrol``, re-read every few minutes in the background, else ``--walltime``; the earliest wins) and
+  stops when the time left is below the longest save so far + k x the moving step time + a margin;
+* **signals**: the handler only records the signal; ``--signal`` (default SIGUSR1, SLURM's usual warning) means "save,
+  stop, requeue", SIGTERM always means "save and stop" (no requeue: SLURM is ending the job - time limit, preemption,
+  scancel).
+
+Each rank votes a code (0 nothing, 1 interval save, 2 walltime stop, 3 signal stop, 4 SIGTERM stop); one all-reduce MAX
+per step makes them agree, so a signal that reached only one rank still stops all of them, at the same step, after
+the same save. Once a stop is decided the loop ends; later signals (a second USR1, SIGTERM after USR1, the SIGTERM
+SLURM sends after a requeue) are only recorded: they never start a second save nor interrupt the one in progress
+(Python restarts interrupted system calls; a handler that only appends to a list cannot break anything).
+
+There are no data-loader worker processes (the loader is in-process), so no child can die of the signal before the
+save commits; the SLURM commands we start run with the signals blocked (checkpoint/slurm.py). A SIGTERM that arrives
+before the loop starts (nothing to save yet) exits at once with 143, as without a handler.
+
+After the loop, ``finish`` decides the exit: finished, stopped-and-requeued (rank 0 runs ``scontrol requeue`` once the
+checkpoint has committed; array-aware; bounded by ``--max-restarts`` vs ``SLURM_RESTART_COUNT``; never when training is
+complete), stopped-no-requeue, or stopped-but-requeue-failed (e.g. ``scontrol`` missing).
+
+Test-only knob: ``PYRECOVER_STEP_SLEEP=SECONDS`` sleeps that long at every step boundary, so SLURM tests can land a
+signal or a deadline mid-run with a tiny model. It changes timing only, never the numbers. Never set it in normal use.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from . import slurm
+
+# Votes, ordered by urgency: agreement is an all-reduce MAX.
+NONE, INTERVAL, WALLTIME, SIGNAL, TERM = 0, 1, 2, 3, 4
+REASONS = {NONE: "", INTERVAL: "interval", WALLTIME: "walltime", SIGNAL: "signal", TERM: "SIGTERM"}
+
+# Outcomes of a run (train.py maps them to exit codes).
+FINISHED, REQUEUED, STOPPED, REQUEUE_FAILED = "finished", "requeued", "stopped", "requeue-failed"
+_OUTCOME_CODES = {REQUEUED: 1, STOPPED: 2, REQUEUE_FAILED: 3}  # rank 0's outcome wins the MAX (others send 0)
 
 
 @dataclass
@@ -14,3 +59,442 @@ class IntervalPolicy:
 
     def due(self, step: int) -> bool:
         return step == self.final_step or (self.every_steps > 0 and step % self.every_steps == 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Parsing flags
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def parse_signal(text: str) -> int | None:
+    """``USR1`` / ``SIGUSR1`` / ``10`` -> signal number; ``none`` -> None (only SIGTERM is handled)."""
+    t = str(text).strip().upper()
+    if t in ("", "NONE", "OFF", "0"):
+        return None
+    if t.isdigit():
+        try:
+            return int(signal.Signals(int(t)))
+        except ValueError:
+            raise ValueError(f"unknown signal number {t}") from None
+    name = t if t.startswith("SIG") else "SIG" + t
+    if name in ("SIGKILL", "SIGSTOP"):
+        raise ValueError(f"{name} cannot be handled")
+    try:
+        return int(signal.Signals[name])
+    except KeyError:
+        raise ValueError(f"unknown signal {text!r} (e.g. USR1, SIGUSR2, 12, none)") from None
+
+
+def parse_walltime(text: str) -> float:
+    """A SLURM time (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``) -> seconds."""
+    t = str(text).strip()
+    try:
+        days = 0
+        if "-" in t:
+            d, t = t.split("-", 1)
+            days = int(d)
+            parts = [int(x) for x in t.split(":")]
+            if not 1 <= len(parts) <= 3:
+                raise ValueError
+            h, m, s = (parts + [0, 0])[:3]
+        else:
+            parts = [int(x) for x in t.split(":")]
+            if len(parts) == 1:
+                h, m, s = 0, parts[0], 0
+            elif len(parts) == 2:
+                h, m, s = 0, parts[0], parts[1]
+            elif len(parts) == 3:
+                h, m, s = parts
+            else:
+                raise ValueError
+        if min(days, h, m, s) < 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"walltime {text!r} is not a SLURM time (MM, MM:SS, HH:MM:SS, D-HH:MM:SS)") from None
+    total = float(((days * 24 + h) * 60 + m) * 60 + s)
+    if total <= 0:
+        raise ValueError(f"walltime {text!r} must be positive")
+    return total
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Signals
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class SignalWatcher:
+    """Records signals; the loop reads them at step boundaries. The handler does nothing else (no I/O, no locks), except
+    that SIGTERM before ``arm()`` (setup: nothing to save yet) exits at once with 143 like the default action."""
+
+    def __init__(self, stop_signal: int | None):
+        self.stop_signal = stop_signal
+        self.received: list[int] = []
+        self.armed = False
+        self._reported = 0
+
+    @property
+    def signals(self) -> set[int]:
+        return {signal.SIGTERM} | ({self.stop_signal} if self.stop_signal is not None else set())
+
+    def install(self) -> "SignalWatcher":
+        for sig in sorted(self.signals):
+            signal.signal(sig, self._handle)
+        return self
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+        self.received.append(signum)
+        if signum == signal.SIGTERM and not self.armed:
+            raise SystemExit(128 + signal.SIGTERM)
+
+    def vote(self) -> int:
+        if not self.received:
+            return NONE
+        return TERM if signal.SIGTERM in self.received else SIGNAL
+
+    def new(self) -> list[str]:
+        """Names of the signals received since the last call (for the log)."""
+        names = [signal.Signals(s).name for s in self.received[self._reported:]]
+        self._reported += len(names)
+        return names
+
+
+def install_signal_handlers(signal_spec: str | int | None) -> SignalWatcher:
+    """Install the handlers as early as possible (a warning signal before this kills the process by default)."""
+    stop = signal_spec if isinstance(signal_spec, int) or signal_spec is None else parse_signal(signal_spec)
+    return SignalWatcher(stop).install()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Walltime
+# ----------------------------------------------------------------------------------------------------------------------
+
+Deadline = tuple  # (epoch seconds | None, source description)
+
+
+class DeadlineReader:
+    """The job's deadline (epoch seconds) and its source. SLURM's deadline: ``SLURM_JOB_END_TIME`` (SLURM 23.02+) at
+    first, then ``squeue``/``scontrol`` (admins extend limits; the variable never changes). ``--walltime`` counts from
+    ``start`` (when train.py started). The earliest known deadline wins."""
+
+    def __init__(self, environ: Mapping[str, str] = os.environ, walltime_s: float | None = None,
+                 start: float | None = None, query: Callable[[str], Deadline] = slurm.end_time):
+        self.environ = environ
+        self.walltime_s = walltime_s
+        self.start = time.time() if start is None else start
+        self.query = query
+        self.reads = 0
+
+    def __call__(self) -> Deadline:
+        candidates: list[tuple[float, str]] = []
+        notes = []
+        job = slurm.job_id(self.environ)
+        env_end = self.environ.get("SLURM_JOB_END_TIME", "").strip()
+        if env_end and self.reads == 0:
+            try:
+                candidates.append((float(env_end), "SLURM_JOB_END_TIME"))
+            except ValueError:
+                notes.append(f"SLURM_JOB_END_TIME={env_end!r} is not a number")
+        elif job:
+            when, source = self.query(job)
+            if when is not None:
+                candidates.append((when, f"{source} (job {job})"))
+            else:
+                notes.append(source)
+        if self.walltime_s:
+            candidates.append((self.start + self.walltime_s, f"--walltime {self.walltime_s:.0f}s"))
+        self.reads += 1
+        if not candidates:
+            why = "; ".join(notes) if notes else "not in a SLURM job and no --walltime"
+            return None, why
+        return min(candidates)
+
+
+class WalltimePolicy:
+    """Stop when ``deadline - now < max save time + k x step time + margin``.
+
+    ``observe_step`` feeds a moving (exponential) average of the step time, ``observe_save`` the longest save so far
+    (blocking and until durable). The deadline is re-read every ``refresh_s`` (in a background thread unless
+    ``background=False``, so a slow slurmctld never stalls a step)."""
+
+    def __init__(self, read: Callable[[], Deadline], *, margin_s: float = 60.0, step_factor: float = 3.0,
+                 refresh_s: float = 300.0, clock: Callable[[], float] = time.time, background: bool = True,
+                 log: Callable[[str], None] = print, ema: float = 0.2):
+        self.read = read
+        self.margin_s = margin_s
+        self.step_factor = step_factor
+        self.refresh_s = refresh_s
+        self.clock = clock
+        self.background = background
+        self.log = log
+        self.ema = ema
+        self.step_s: float | None = None
+        self.save_s = 0.0
+        self.deadline: float | None = None
+        self.source = ""
+        self._last_read = float("-inf")
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """First read, synchronous, logged."""
+        self._apply(self.read(), first=True)
+
+    def _apply(self, result: Deadline, first: bool = False) -> None:
+        when, source = result
+        self._last_read = self.clock()
+        if when is None:
+            if first:
+                self.log(f"walltime: no deadline known ({source}); time-aware stopping is off until one is")
+            return
+        if first or self.deadline is None or abs(when - self.deadline) >= 1.0:
+            left = when - self.clock()
+            verb = "deadline" if first else "deadline changed:"
+            self.log(f"walltime: {verb} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(when))} "
+                     f"({left:.0f}s from now) from {source}")
+        self.deadline, self.source = when, source
+
+    def _maybe_refresh(self, now: float) -> None:
+        if now - self._last_read < self.refresh_s or (self._thread is not None and self._thread.is_alive()):
+            return
+        if not self.background:
+            self._apply(self.read())
+            return
+        self._last_read = now
+
+        def work() -> None:
+            try:
+                self._apply(self.read())
+            except Exception as e:  # noqa: BLE001 - a failed refresh keeps the last deadline
+                self.log(f"walltime: re-reading the deadline failed: {e}")
+
+        self._thread = threading.Thread(target=work, name="walltime-refresh", daemon=True)
+        self._thread.start()
+
+    def observe_step(self, seconds: float) -> None:
+        self.step_s = seconds if self.step_s is None else (1 - self.ema) * self.step_s + self.ema * seconds
+
+    def observe_save(self, seconds: float) -> None:
+        self.save_s = max(self.save_s, seconds)
+
+    def needed(self) -> float:
+        return self.save_s + self.step_factor * (self.step_s or 0.0) + self.margin_s
+
+    def remaining(self, now: float | None = None) -> float | None:
+        return None if self.deadline is None else self.deadline - (self.clock() if now is None else now)
+
+    def due(self) -> bool:
+        now = self.clock()
+        self._maybe_refresh(now)
+        left = self.remaining(now)
+        return left is not None and left < self.needed()
+
+    def explain(self) -> str:
+        left = self.remaining()
+        return (f"walltime: {left:.1f}s left before the deadline from {self.source}, < {self.needed():.1f}s needed "
+                f"(longest save {self.save_s:.2f}s + {self.step_factor:g} x step {self.step_s or 0.0:.2f}s + margin "
+                f"{self.margin_s:g}s)")
+
+
+class WallClockInterval:
+    """Save every ``minutes`` of wall-clock time (counted from the last save of any kind)."""
+
+    def __init__(self, minutes: float, clock: Callable[[], float] = time.monotonic):
+        self.seconds = minutes * 60.0
+        self.clock = clock
+        self.last = clock()
+
+    def due(self) -> bool:
+        return self.seconds > 0 and self.clock() - self.last >= self.seconds
+
+    def reset(self) -> None:
+        self.last = self.clock()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The step boundary
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decision:
+    save: bool = False
+    stop: bool = False
+    vote: int = NONE
+
+    @property
+    def reason(self) -> str:
+        return REASONS[self.vote]
+
+
+@dataclass
+class RequeueSettings:
+    enabled: bool | None = None  # None = auto: on in a SLURM job that is not an array task
+    max_restarts: int = 100
+    timeout_s: float = 30.0
+
+
+class StepBoundary:
+    """Everything the loop decides at a step boundary, agreed across ranks; then ``finish`` after the loop.
+
+    ``agree(x)`` must return the maximum of ``x`` over all ranks (an all-reduce; identity for one process)."""
+
+    def __init__(self, interval: IntervalPolicy, *, agree: Callable[[float], float], rank: int = 0,
+                 signals: SignalWatcher | None = None, walltime: WalltimePolicy | None = None,
+                 every_minutes: WallClockInterval | None = None, requeue: RequeueSettings | None = None,
+                 environ: Mapping[str, str] = os.environ, log: Callable[[str], None] = print,
+                 mono: Callable[[], float] = time.monotonic, step_sleep: float = 0.0,
+                 save_history: Sequence | None = None):
+        self.interval = interval
+        self.agree = agree
+        self.rank = rank
+        self.signals = signals
+        self.walltime = walltime
+        self.every_minutes = every_minutes
+        self.requeue = requeue or RequeueSettings()
+        self.environ = environ
+        self.log = log
+        self.mono = mono
+        self.step_sleep = step_sleep
+        self.save_history = save_history  # CheckpointManager.history: SaveRecord(blocking_s, durable_s)
+        self.stopped: Decision | None = None
+        self.stop_step: int | None = None
+        self._last = mono()
+        self._saved_last = False
+        self._walltime_note = ""
+        self._my_signals: list[str] = []
+
+    # --- per step ------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Right before the loop: from now on a SIGTERM is 'save and stop' (before it, exit at once)."""
+        if self.signals is not None:
+            self.signals.arm()
+        self._last = self.mono()
+
+    def local_vote(self) -> int:
+        vote = NONE
+        if self.signals is not None:
+            for name in self.signals.new():
+                self.log(f"rank {self.rank}: received {name}")
+            vote = max(vote, self.signals.vote())
+            self._my_signals = sorted({signal.Signals(s).name for s in self.signals.received})
+        if self.walltime is not None:
+            self._feed_saves()
+            if self.walltime.due():
+                vote = max(vote, WALLTIME)
+                self._walltime_note = self.walltime.explain()
+        if self.every_minutes is not None and self.every_minutes.due():
+            vote = max(vote, INTERVAL)
+        return vote
+
+    def resolve(self, agreed: int, step: int) -> Decision:
+        stop = agreed >= WALLTIME
+        save = self.interval.due(step) or agreed >= INTERVAL
+        decision = Decision(save=save, stop=stop, vote=agreed)
+        if save and self.every_minutes is not None:
+            self.every_minutes.reset()
+        if stop and self.stopped is None:
+            self.stopped, self.stop_step = decision, step
+            self.log(f"rank {self.rank}: saving and stopping at step {step}: {self._why(agreed)}")
+        return decision
+
+    def __call__(self, step: int) -> Decision:
+        if self.step_sleep > 0:
+            time.sleep(self.step_sleep)  # test-only pacing (PYRECOVER_STEP_SLEEP)
+        now = self.mono()
+        if self.walltime is not None and not self._saved_last:
+            self.walltime.observe_step(now - self._last)  # a step that included a save would inflate the estimate
+        self._last = now
+        agreed = int(self.agree(float(self.local_vote())))
+        decision = self.resolve(agreed, step)
+        self._saved_last = decision.save
+        return decision
+
+    def _feed_saves(self) -> None:
+        if self.save_history:
+            for r in self.save_history[-8:]:  # the newest ones; async saves fill durable_s later
+                self.walltime.observe_save(max(r.blocking_s, r.durable_s))
+
+    def _why(self, agreed: int) -> str:
+        if agreed in (SIGNAL, TERM):
+            if self._my_signals:  # as of this rank's vote (one arriving during the all-reduce is logged later)
+                return f"received {', '.join(self._my_signals)}"
+            return "another rank received a stop signal"
+        if agreed == WALLTIME:
+            return self._walltime_note or "walltime (decided on rank 0)"
+        return REASONS[agreed]
+
+    # --- after the loop ------------------------------------------------------------------------------------------
+    def finish(self, step: int, final_step: int) -> str:
+        """Call on every rank after the last checkpoint has committed (``manager.close()``). Rank 0 requeues the job if
+        it should; every rank returns the same outcome (FINISHED, REQUEUED, STOPPED or REQUEUE_FAILED)."""
+        if self.stopped is None or step >= final_step:
+            if self.stopped is not None:
+                self.log(f"rank {self.rank}: stop requested at the final step {step}: training is complete, no requeue")
+            return FINISHED
+        code = _OUTCOME_CODES[self._requeue(step, final_step)] if self.rank == 0 else 0
+        code = int(self.agree(float(code)))
+        outcome = {v: k for k, v in _OUTCOME_CODES.items()}[code]
+        if self.signals is not None:
+            late = self.signals.new()
+            if late:
+                self.log(f"rank {self.rank}: also received {', '.join(late)} while stopping: ignored (the save had "
+                         f"started; one save per stop)")
+        return outcome
+
+    def want_requeue(self) -> tuple[bool, str]:
+        """Whether to requeue after this stop, and why (not)."""
+        r = self.requeue
+        if self.stopped is not None and self.stopped.vote == TERM:
+            return False, "stopped by SIGTERM (SLURM is ending the job: time limit, preemption or scancel)"
+        if r.enabled is False:
+            return False, "--no-requeue"
+        if not slurm.in_job(self.environ):
+            return False, "not running in a SLURM job"
+        if r.enabled is None and slurm.in_array(self.environ):
+            return False, "job array task: the next array task resumes from `latest` (pass --requeue to requeue " \
+                          "this task instead)"
+        restarts = slurm.restart_count(self.environ)
+        if restarts >= r.max_restarts:
+            return False, f"already restarted {restarts} times (--max-restarts {r.max_restarts})"
+        return True, f"restart {restarts + 1} of at most {r.max_restarts}"
+
+    def _requeue(self, step: int, final_step: int) -> str:
+        want, why = self.want_requeue()
+        if not want:
+            self.log(f"stopped at step {step} of {final_step}, checkpoint committed; not requeueing: {why}")
+            return STOPPED
+        target = slurm.requeue_target(self.environ)
+        ok, message = slurm.requeue(target, timeout=self.requeue.timeout_s)
+        if not ok:
+            self.log(f"error: stopped at step {step} of {final_step} with the checkpoint committed, but cannot requeue "
+                     f"job {target}: {message}; resubmit with --resume-from-checkpoint latest (or `sbatch "
+                     f"submit-training-simple.sh --continue`)")
+            return REQUEUE_FAILED
+        self.log(f"stopped at step {step} of {final_step}, checkpoint committed; requeued job {target} ({why}): "
+                 f"{message}")
+        return REQUEUED
+
+
+def from_args(args, *, rank: int, agree: Callable[[float], float], signals: SignalWatcher | None,
+              log: Callable[[str], None], save_history: Sequence | None = None, start: float | None = None,
+              environ: Mapping[str, str] = os.environ) -> StepBoundary:
+    """Build the step-boundary policy from train.py's flags. Walltime and the wall-clock interval are decided on rank 0
+    (one ``squeue`` per job, not per rank); the all-reduce carries the decision to the others."""
+    walltime = None
+    if getattr(args, "timeaware_checkpointing", False) and rank == 0:
+        reader = DeadlineReader(environ, walltime_s=getattr(args, "walltime", None), start=start)
+        walltime = WalltimePolicy(reader, margin_s=args.walltime_margin_seconds, log=log)
+        walltime.start()
+    every = None
+    if getattr(args, "checkpoint_interval_minutes", 0) and rank == 0:
+        every = WallClockInterval(args.checkpoint_interval_minutes)
+    try:
+        step_sleep = float(environ.get("PYRECOVER_STEP_SLEEP", "0") or 0)
+    except ValueError:
+        step_sleep = 0.0
+    return StepBoundary(IntervalPolicy(args.checkpoint_frequency, args.training_steps), agree=agree, rank=rank,
+                        signals=signals, walltime=walltime, every_minutes=every,
+                        requeue=RequeueSettings(args.requeue, args.max_restarts), environ=environ, log=log,
+                        step_sleep=step_sleep, save_history=save_history)

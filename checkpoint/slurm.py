@@ -1,0 +1,115 @@
+"""The few SLURM facts the stop/requeue policy needs, read from the environment, ``squeue`` and ``scontrol``.
+
+Every command runs with a timeout and with the stop signals blocked in the child (``run``): SLURM delivers a job's
+signals to every process of a task, so an ``squeue`` or ``scontrol requeue`` started by train.py would otherwise die of
+the very warning signal it is reacting to. Times are read with ``TZ=UTC`` (``squeue -o %e`` prints local time without a
+zone), so the parse is exact whatever the node's time zone.
+"""
+
+from __future__ import annotations
+
+import calendar
+import os
+import shutil
+import signal
+import subprocess
+import time
+from typing import Mapping, Sequence
+
+#: signals blocked in children we start (the stop signals of policy.py plus the usual SLURM warning signals)
+CHILD_BLOCKED = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT}
+
+
+def in_job(environ: Mapping[str, str] = os.environ) -> bool:
+    return bool(environ.get("SLURM_JOB_ID"))
+
+
+def in_array(environ: Mapping[str, str] = os.environ) -> bool:
+    return bool(environ.get("SLURM_ARRAY_JOB_ID")) and bool(environ.get("SLURM_ARRAY_TASK_ID"))
+
+
+def job_id(environ: Mapping[str, str] = os.environ) -> str | None:
+    """This job's own id (an array task has its own numeric id too)."""
+    return environ.get("SLURM_JOB_ID") or None
+
+
+def requeue_target(environ: Mapping[str, str] = os.environ) -> str | None:
+    """What to hand ``scontrol requeue``: ``<array job>_<task>`` for an array task (the plain id works for most
+    commands, but the array form is the one SLURM documents for addressing one task), else the job id."""
+    if in_array(environ):
+        return f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
+    return job_id(environ)
+
+
+def restart_count(environ: Mapping[str, str] = os.environ) -> int:
+    """How often SLURM has requeued this job (``SLURM_RESTART_COUNT``; unset in the first run)."""
+    try:
+        return int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def run(cmd: Sequence[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run a SLURM client command with the stop signals blocked (inherited by the child), output captured.
+
+    Raises FileNotFoundError when the command is missing, subprocess.TimeoutExpired on timeout."""
+    env = dict(os.environ, TZ="UTC")
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, CHILD_BLOCKED)
+    try:
+        return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, env=env,
+                              stdin=subprocess.DEVNULL)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def parse_utc_time(text: str) -> float | None:
+    """``2026-11-21T23:38:50`` (UTC, as printed under TZ=UTC) -> epoch seconds; None for NONE/N/A/Unknown/empty."""
+    text = text.strip()
+    try:
+        return float(calendar.timegm(time.strptime(text, "%Y-%m-%dT%H:%M:%S")))
+    except ValueError:
+        return None
+
+
+def end_time(job: str, timeout: float = 10.0) -> tuple[float | None, str]:
+    """The job's end time (epoch) and where it came from: ``squeue``, else ``scontrol show job``.
+    Returns (None, why-not) when neither answers with a time (no limit, command missing, slurmctld down)."""
+    problems = []
+    for source, cmd in (("squeue", ["squeue", "-h", "-j", job, "-o", "%e"]),
+                        ("scontrol", ["scontrol", "-o", "show", "job", job])):
+        try:
+            proc = run(cmd, timeout)
+        except FileNotFoundError:
+            problems.append(f"{source} not found")
+            continue
+        except subprocess.TimeoutExpired:
+            problems.append(f"{source} timed out after {timeout:.0f}s")
+            continue
+        if proc.returncode != 0:
+            problems.append(f"{source} exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[:200]}")
+            continue
+        if source == "squeue":
+            value = proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else ""
+        else:
+            value = next((w.split("=", 1)[1] for w in proc.stdout.split() if w.startswith("EndTime=")), "")
+        when = parse_utc_time(value)
+        if when is not None:
+            return when, source
+        problems.append(f"{source} gave no end time ({value or 'empty'})")
+    return None, "; ".join(problems)
+
+
+def requeue(target: str, timeout: float = 30.0) -> tuple[bool, str]:
+    """``scontrol requeue <target>``. Returns (ok, message). SLURM ends the running job right after it succeeds."""
+    if shutil.which("scontrol") is None:
+        return False, "scontrol not found on PATH"
+    try:
+        proc = run(["scontrol", "requeue", target], timeout)
+    except FileNotFoundError:
+        return False, "scontrol not found on PATH"
+    except subprocess.TimeoutExpired:
+        return False, f"`scontrol requeue {target}` timed out after {timeout:.0f}s"
+    if proc.returncode != 0:
+        return False, f"`scontrol requeue {target}` failed (exit {proc.returncode}): " \
+                      f"{(proc.stderr or proc.stdout).strip()[:300]}"
+    return True, f"`scontrol requeue {target}` accepted"
