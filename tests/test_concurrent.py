@@ -157,6 +157,24 @@ def test_background_write_error_stops_the_run_at_the_next_steps_with_one_line(co
     assert _committed(tmp_path / "default") == []
 
 
+def test_error_in_a_later_save_surfaces_at_once_and_the_earlier_save_still_commits(corpus, tmp_path):
+    """Two saves in flight (slow disk: 1 s per file): the step-4 save fails as its writer starts, while the step-2 save
+    is still persisting. The error is reported without waiting for step 2 to finish first, yet the run exits only after
+    step 2 has committed — nothing half-written that could have been finished."""
+    args = TINY + ["--dataset", corpus, "--training-steps", "60", "--checkpoint-frequency", "2", "--log-loss-to-csv",
+                   "--checkpoint-dir", str(tmp_path), "--checkpoint-backend", "concurrent", "--max-async", "2"]
+    proc = run_train(args, env={"PYRECOVER_FAULT": "concurrent_persist_begin:2:error",
+                                "PYRECOVER_TEST_PERSIST_DELAY_S": "1.0"})
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "waiting for 1 other checkpoint save(s) in flight before stopping" in proc.stdout, proc.stdout[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: saving step 4 to {tmp_path / 'default'} failed: "
+                                                     "injected I/O error at concurrent_persist_begin"), proc.stderr
+    assert _committed(tmp_path / "default") == [2]
+    assert "checkpoint step 2 committed" in proc.stdout
+    assert int(loss_rows(tmp_path / "default" / "loss.csv")[-1][0]) < 60
+
+
 # --- in process ---------------------------------------------------------------------------------------------------
 
 

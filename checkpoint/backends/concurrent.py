@@ -24,8 +24,14 @@ from it (crc32 "un-combine"). Tensors of one dtype in one file share one storage
 offsets), which ``torch.load(weights_only=True)`` reads back as views. Loading goes through ``vanilla.load_pieces``.
 
 Writers are threads, not processes: every heavy step (memcpy, crc32, write, fsync) releases the GIL, and a process
-would need the state in shared memory plus its own cleanup on SIGKILL; `python -m checkpoint.bench` measures the
-training-throughput dip of both.
+would need the state in shared memory plus its own cleanup on SIGKILL (an orphaned writer must never write into a
+folder a restarted run has reused); `python -m checkpoint.bench` measures the training-throughput dip of both.
+
+Errors in the background (ENOSPC, EIO) are re-raised by ``wait()``; the manager turns them into one CheckpointError
+line at the next step's ``poll()``. Test-only hooks: fault points ``concurrent_persist_begin`` (once per save, as its
+writer starts), ``concurrent_write_chunk`` (before every data chunk) and ``concurrent_persist_half`` (once per save,
+halfway through its tensor bytes) for PYRECOVER_FAULT, plus
+PYRECOVER_TEST_PERSIST_DELAY_S=<seconds> which makes each payload file take that much longer (a slow disk).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..errors import CheckpointError
 from ..fsio import ChecksumWriter, atomic_write, fault_point, fsync_dir
 from ..state import CheckpointState
 from .base import Backend, PayloadHandle, RankInfo
@@ -234,7 +241,7 @@ def _alias_key(t: torch.Tensor) -> tuple:
 
 def _check_stageable(t: torch.Tensor, where: str) -> None:
     if t.layout != torch.strided or t.dtype not in _STORAGE_CLASS or type(t) not in (torch.Tensor, torch.nn.Parameter):
-        raise TypeError(f"the concurrent backend cannot stage a {type(t).__name__} ({t.dtype}, {t.layout}) in {where}; "
+        raise CheckpointError(f"the concurrent backend cannot stage a {type(t).__name__} ({t.dtype}, {t.layout}) in {where}; "
                         "use --checkpoint-backend vanilla for this state")
 
 
@@ -417,7 +424,15 @@ class _Snapshot(PayloadHandle):
 
     # write ----------------------------------------------------------------------------------------------------------
     def _write(self) -> None:
+        if self.backend.writer_nice:
+            try:  # Linux: a thread is a task with its own nice value; the training threads keep the CPU first
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.backend.writer_nice)
+            except (AttributeError, OSError):
+                pass
         try:
+            fault_point("concurrent_persist_begin", self.step_dir)
+            if not self.backend.pipeline:
+                self._wait_copied(self.plan.nbytes)  # write only once the whole snapshot is staged
             for fp in self.plan.files:
                 path = self.step_dir / fp.name
                 self.files[fp.name] = atomic_write(path, lambda w, fp=fp, path=path: self._fill(w, fp, path),
@@ -480,13 +495,18 @@ class _Snapshot(PayloadHandle):
 
 class ConcurrentBackend(Backend):
     """See the module docstring. ``max_async``: saves in flight at once (= host buffer sets); ``chunk_mib``: pipeline
-    granularity; ``log``: where allocation/overlap/summary lines go (rank 0 prints by default)."""
+    granularity; ``log``: where allocation/overlap/summary lines go (rank 0 prints by default); ``pipeline``: write
+    chunk i while chunk i+1 is copied (default) or only after the whole snapshot is staged; ``writer_nice``: scheduling priority of
+    the writer threads (0 = same as training)."""
 
     name = "concurrent"
 
     def __init__(self, rank: RankInfo, max_async: int = 2, chunk_mib: float = DEFAULT_CHUNK / MiB,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, pipeline: bool = True, writer_nice: int = 10):
         super().__init__(rank)
+        self.writer_nice = writer_nice  # the writer threads run at this nice value (the copier does not: it is on
+        #                                 the critical path before optimizer.step())
+        self.pipeline = pipeline  # False: the writer starts after the copy (less CPU/memory contention with the copy)
         if int(max_async) < 1:
             raise ValueError(f"--max-async must be at least 1, got {max_async}")
         if chunk_mib <= 0:
@@ -527,7 +547,11 @@ class ConcurrentBackend(Backend):
                          f"still persisting ({in_flight} in flight, max {self.max_in_flight})")
         buf = self.pool.acquire(plan.nbytes, pin, f"a {plan.nbytes / MiB:.1f} MiB state")
         self.state_bytes = max(self.state_bytes, plan.nbytes)
-        snap = _Snapshot(self, step_dir, plan, buf)
+        try:
+            snap = _Snapshot(self, step_dir, plan, buf)
+        except BaseException:
+            self.pool.release(buf)
+            raise
         with self._lock:
             self._active.append(snap)
         self.saves += 1
