@@ -28,7 +28,8 @@ import torch.nn.functional as F
 import distributed
 from checkpoint import (CheckpointError, CheckpointManager, CheckpointState, ModelState, OptimizerState, RankInfo, RNGState, RunInfo,
                         TrainState, make_backend)
-from checkpoint import layout
+from checkpoint import layout, storage
+from checkpoint.backends.dcp import DCPModelState, DCPOptimizerState
 from checkpoint.fsio import fsync_dir
 from checkpoint import jit as checkpoint_jit
 from checkpoint import policy as stop_policy
@@ -115,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
          help="timeout of collectives in the training loop (setup keeps 600 s): how long a hung rank goes unnoticed; "
               "must exceed the longest blocking save. Default: 600")
     flag("--distributed", action="store_true", help="data-parallel over torchrun or srun ranks (NCCL on GPU, gloo on CPU)")
-    flag("--parallel", default="ddp", choices=["ddp"], help="data-parallel strategy with --distributed")
+    flag("--parallel", default="ddp", choices=["ddp", "fsdp"],
+         help="with --distributed: ddp (full replicas) or fsdp (FSDP2 fully_shard per transformer block, then the root: "
+              "parameters, gradients and optimizer state sharded over ranks; checkpoints with --checkpoint-backend dcp)")
 
     g = p.add_argument_group("checkpointing")
     flag("--checkpoint-dir", default="checkpoints", help="checkpoints go to <checkpoint-dir>/<experiment_name>/step-N/")
@@ -123,11 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--checkpoint-frequency", type=int, default=100, help="save every N steps (0 = only at the end)")
     flag("--resume-from-checkpoint", default=None, metavar="latest|STEP|PATH",
          help="resume: `latest` (newest verified checkpoint; starts fresh if there is none), a step, or a path")
-    flag("--checkpoint-backend", default="vanilla", choices=["vanilla", "concurrent"],
+    flag("--checkpoint-backend", default="vanilla", choices=["vanilla", "concurrent", "dcp"],
          help="how checkpoint bytes are written (concurrent: snapshot to host buffers, persist in the background)")
     flag("--max-async", type=int, default=2, metavar="N",
          help="concurrent backend: checkpoints persisting at once (= host buffer sets of the state's size)")
-    flag("--use-torch-distributed-ckpt", action="store_true", help="alias of --checkpoint-backend dcp")
+    flag("--use-torch-distributed-ckpt", action="store_true",
+         help="alias of --checkpoint-backend dcp: torch.distributed.checkpoint, every rank writes its own shard in "
+              "parallel; loads at any world size; the only backend for --parallel fsdp and s3:// checkpoint dirs")
+    flag("--async-checkpoint", action="store_true",
+         help="dcp backend: save in the background (dcp.async_save on its own gloo group); training waits only for "
+              "the state copy, right before the next optimizer step; one save in flight")
     flag("--max-kept-checkpoints", type=int, default=3, help="keep the newest K committed checkpoints (0 = keep all)")
     flag("--keep-every", type=int, default=0, help="also keep every checkpoint whose step is a multiple of N")
     flag("--timeaware-checkpointing", action="store_true", help="save and stop before the SLURM walltime runs out")
@@ -210,7 +218,7 @@ class LossCSV:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        elif resumed_step is None:
+        elif resumed_step is None or not path.exists():  # a fresh file (also when resuming into a new folder)
             with open(path, "w", newline="") as f:
                 csv.DictWriter(f, self.FIELDS).writeheader()
         self.file = open(path, "a", newline="")
@@ -258,6 +266,31 @@ def validate(args: argparse.Namespace, env: distributed.DistEnv):
     return tokenizer, windows, config
 
 
+def check_checkpoint_flags(args: argparse.Namespace) -> None:
+    """Combinations only the dcp backend can do, refused with one line before any training time is spent."""
+    how = "--checkpoint-backend dcp (or --use-torch-distributed-ckpt)"
+    if args.distributed and args.parallel == "fsdp" and args.checkpoint_backend != "dcp":
+        raise BadInput(f"--parallel fsdp shards the model over ranks; save it with {how}: the "
+                       f"{args.checkpoint_backend} backend writes one full copy from rank 0 (convert a DCP checkpoint "
+                       "afterwards with `python -m checkpoint convert SRC DST --to vanilla`)")
+    if storage.is_remote(args.checkpoint_dir) and args.checkpoint_backend != "dcp":
+        raise BadInput(f"--checkpoint-dir {args.checkpoint_dir} is object storage: it needs {how}")
+    if storage.is_remote(args.checkpoint_dir) and getattr(args, "jit_checkpoint", False):
+        raise BadInput("--jit-checkpoint writes to a local --checkpoint-dir; it does not support s3://")
+    if args.async_checkpoint and args.checkpoint_backend != "dcp":
+        raise BadInput(f"--async-checkpoint is for {how}; the concurrent backend is always asynchronous")
+
+
+def shard_fsdp(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2: every transformer block is one all-gather / reduce-scatter unit, then the root (embeddings, norm, output)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
 def on_save_error(args: argparse.Namespace, error: CheckpointError, step: int) -> int:
     """--on-save-error: `stop` re-raises (one line, exit 1); `continue` warns and returns the step it happened at."""
     if args.on_save_error == "stop":
@@ -290,12 +323,15 @@ def main(argv: list[str] | None = None) -> int:
     error = None
     try:
         tokenizer, windows, config = validate(args, env)
-        run_root = Path(args.checkpoint_dir) / args.experiment_name
+        check_checkpoint_flags(args)
+        run_root = storage.as_path(args.checkpoint_dir) / args.experiment_name  # a local folder or s3://bucket/prefix
         if env.is_main:
             layout.ensure_writable(run_root)  # fail now, not at the first save hours from now
         rank_info = RankInfo(env.rank, env.world_size, env.local_rank)
         backend_options = ({"max_async": args.max_async, "log": lambda m: log0(env, m)}
                            if args.checkpoint_backend == "concurrent" else {})
+        if args.checkpoint_backend == "dcp":
+            backend_options = {"async_save": args.async_checkpoint}
         backend = make_backend(args.checkpoint_backend, rank_info, **backend_options)
     except (BadInput, DataError, CheckpointError, ValueError, RuntimeError) as e:
         error = e
@@ -308,7 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     seed_everything(args.seed)  # identical init on every rank
     model = Transformer(config, attention="flash" if args.use_flash_attention else "sdpa")
     model = model.to(device=env.device, dtype=distributed.param_dtype(args.model_dtype))
-    if env.distributed:
+    if env.distributed and args.parallel == "fsdp":
+        model = shard_fsdp(model)
+    elif env.distributed:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
     if args.compile:
         model = torch.compile(model)
@@ -322,7 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     train = TrainState()
     run_info = RunInfo(config=vars(args) | {"model_config": vars(config)},
                        versions={"torch": str(torch.__version__), "pyrecover": __version__}, world_size=env.world_size)
-    state = CheckpointState(model=ModelState(model), optimizer=OptimizerState(model, optimizer), lr_scheduler=scheduler, dataloader=loader,
+    if args.checkpoint_backend == "dcp":  # sharded state dicts (DTensors under FSDP): every rank saves its own shard
+        model_state, optim_state = DCPModelState(model), DCPOptimizerState(model, optimizer)
+    else:  # full state dicts, written once by rank 0
+        model_state, optim_state = ModelState(model), OptimizerState(model, optimizer)
+    state = CheckpointState(model=model_state, optimizer=optim_state, lr_scheduler=scheduler, dataloader=loader,
                             train_state=train, rng=RNGState(), run_info=run_info)
     if scaler is not None:
         state["grad_scaler"] = scaler
@@ -338,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume_from_checkpoint:
         try:
             resumed_step = manager.load(args.resume_from_checkpoint, state)
-        except CheckpointError as e:
+        except (CheckpointError, DataError) as e:  # DataError: e.g. resharded to a global batch the position does not fit
             print(f"error: {e}", file=sys.stderr, flush=True)
             return EXIT_BAD_INPUT
         if resumed_step is None:
@@ -347,9 +389,11 @@ def main(argv: list[str] | None = None) -> int:
             train.restarts += 1
             for line in run_info.differences(("model", "tokenizer_name_or_path", "sequence_length", "batch_size", "seed")):
                 log0(env, f"warning: resumed run differs from the checkpoint: {line}")
+    # Loss CSV and profiler traces stay on local disk: next to the checkpoints, or ./logs/<experiment> for s3://.
+    log_dir = Path("logs") / args.experiment_name if storage.is_remote(run_root) else run_root
     csv_path = None
     if args.log_loss_to_csv:
-        csv_path = run_root / "loss.csv" if args.log_loss_to_csv == "auto" else Path(args.log_loss_to_csv)
+        csv_path = log_dir / "loss.csv" if args.log_loss_to_csv == "auto" else Path(args.log_loss_to_csv)
     loss_csv = LossCSV(csv_path, resumed_step) if (csv_path and env.is_main) else None
 
     policy = stop_policy.from_args(args, rank=env.rank, agree=lambda v: distributed.all_reduce_max(v, env),
@@ -375,10 +419,11 @@ def main(argv: list[str] | None = None) -> int:
         profiler = torch.profiler.profile(schedule=torch.profiler.schedule(
             wait=max(0, args.profile_step_start - train.step - 1), warmup=1,
             active=max(1, args.profile_step_end - args.profile_step_start + 1), repeat=1),
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(run_root / "profile")))
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(log_dir / "profile")))
         profiler.start()
 
-    jit = checkpoint_jit.setup(args.jit_checkpoint, root=run_root, state=state, rank=rank_info, run_id=run_id[0],
+    jit = checkpoint_jit.setup(args.jit_checkpoint, root=log_dir,  # = run_root; local ./logs/<exp> for s3 (jit refused)
+                               state=state, rank=rank_info, run_id=run_id[0],
                                model=model, current_step=lambda: train.step,
                                reseed=lambda r: seed_everything(args.seed + r), log=lambda m: print(m, flush=True))
     if env.distributed and args.pg_timeout_seconds:
@@ -404,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_max_norm) if args.grad_max_norm > 0 else None
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor; materialise it on every rank (a collective)
+            grad_norm = grad_norm.full_tensor()
 
         manager.wait_staged()  # an async save still copying the weights must finish before they change
         jit.begin_optimizer()

@@ -1,8 +1,11 @@
-"""`python -m checkpoint list|verify|inspect PATH` — look at checkpoints without training.
+"""`python -m checkpoint list|verify|inspect PATH` — look at checkpoints without training; `convert` between formats.
 
     list DIR       every step folder under an experiment folder: step, size, committed, valid
     verify PATH    check sizes and checksums of one step folder, or of every committed one under DIR (exit 1 if bad)
     inspect PATH   what a checkpoint holds: manifest, files, tensors of the model section
+    convert SRC DST --to vanilla|dcp
+                   rewrite a checkpoint (step or experiment folder) in the other format under DST, committed
+PATH/SRC/DST may be s3://bucket/prefix (AWS_* variables; the s3 extra).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import layout
+from . import layout, storage
 from .errors import CheckpointError
 from .reader import read_section
 
@@ -88,9 +91,18 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("list", "verify", "inspect"):
-        sub.add_parser(name).add_argument("path", type=Path)
+        sub.add_parser(name).add_argument("path", type=storage.as_path)
+    conv = sub.add_parser("convert", help="rewrite a checkpoint in another backend's format")
+    conv.add_argument("src", help="step folder, or experiment folder (its latest)")
+    conv.add_argument("dst", help="experiment folder (result: DST/step-N) or a step-N folder")
+    conv.add_argument("--to", required=True, choices=["vanilla", "dcp"])
     args = p.parse_args(argv)
     try:
+        if args.cmd == "convert":
+            from .convert import convert
+
+            convert(args.src, args.dst, args.to)
+            return 0
         return {"list": cmd_list, "verify": cmd_verify, "inspect": cmd_inspect}[args.cmd](args.path)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from . import storage
 from .errors import CheckpointError
-from .fsio import CHECKSUM_ALGORITHM, atomic_write_bytes, checksum_file, fault_point, fsync_dir
+from .fsio import CHECKSUM_ALGORITHM, atomic_write_bytes, checksum_file, fault_point, fsync_dir  # noqa: F401
 
 FORMAT_VERSION = 1
 STEP_DIR_RE = re.compile(r"^step-(\d{8,})$")
@@ -53,7 +53,7 @@ def write_part_record(step_dir: Path, rank: int, files: dict[str, dict], run_id:
     record = {"rank": rank, "run_id": run_id, "files": files}
     if error:
         record["error"] = error
-    atomic_write_bytes(step_dir / part_record_name(rank), json.dumps(record, indent=1, sort_keys=True).encode())
+    storage.write_bytes(step_dir / part_record_name(rank), json.dumps(record, indent=1, sort_keys=True).encode())
 
 
 def wait_for_part_records(step_dir: Path, world_size: int, timeout: float, run_id: str = "") -> list[dict]:
@@ -105,10 +105,10 @@ def commit(step_dir: Path, step: int, world_size: int, backend: str, parts: list
         "created_unix": time.time(),
     }
     data = json.dumps(manifest, indent=1).encode()
-    rec = atomic_write_bytes(step_dir / MANIFEST, data)
+    rec = storage.write_bytes(step_dir / MANIFEST, data)
     fault_point("after_manifest_before_commit", step_dir)
-    atomic_write_bytes(step_dir / COMMITTED, json.dumps({"manifest_crc32": rec["crc32"]}).encode())
-    fsync_dir(step_dir.parent)
+    storage.write_bytes(step_dir / COMMITTED, json.dumps({"manifest_crc32": rec["crc32"]}).encode())
+    storage.sync_dir(step_dir.parent)
 
 
 # --- reading -------------------------------------------------------------------------------------------------------
@@ -131,7 +131,7 @@ class CheckpointInfo:
 
 def list_checkpoints(root: Path) -> list[CheckpointInfo]:
     """All step folders under ``root``, oldest first by NUMERIC step (step-99 < step-100 < step-1000)."""
-    root = Path(root)
+    root = storage.as_path(root)
     if not root.is_dir():
         return []
     infos = []
@@ -144,7 +144,7 @@ def list_checkpoints(root: Path) -> list[CheckpointInfo]:
 
 def read_manifest(step_dir: Path) -> dict:
     """The manifest of a committed checkpoint, checked against the crc recorded in COMMITTED."""
-    step_dir = Path(step_dir)
+    step_dir = storage.as_path(step_dir)
     if not (step_dir / COMMITTED).exists():
         raise CheckpointError(f"{step_dir} is not committed (no {COMMITTED} marker): it was interrupted while saving")
     try:
@@ -169,12 +169,12 @@ def verify(step_dir: Path, *, checksums: bool = True) -> dict:
     """Return the manifest if every listed file has its recorded size (and checksum); else raise CheckpointError."""
     manifest = read_manifest(step_dir)
     for name, rec in manifest["files"].items():
-        path = Path(step_dir) / name
+        path = storage.as_path(step_dir) / name
         if not path.is_file():
             raise CheckpointError(f"{path} is listed in the manifest but missing")
         if path.stat().st_size != rec["size"]:
             raise CheckpointError(f"{path} has {path.stat().st_size} bytes, manifest says {rec['size']}: truncated")
-        if checksums and checksum_file(path)[1] != rec[manifest.get("checksum", CHECKSUM_ALGORITHM)]:
+        if checksums and storage.checksum(path)[1] != rec[manifest.get("checksum", CHECKSUM_ALGORITHM)]:
             raise CheckpointError(f"{path} fails its checksum: the file is corrupted")
     return manifest
 
@@ -186,7 +186,7 @@ def resolve(root: Path, spec: str, *, warn=print) -> CheckpointInfo | None:
     verification; it returns None when there is none. A step or path that is not a valid checkpoint is an error:
     the user asked for that one, so silently using another would be wrong.
     """
-    root = Path(root)
+    root = storage.as_path(root)
     if spec == "latest":
         for info in reversed(list_checkpoints(root)):
             if not info.committed:
@@ -201,7 +201,7 @@ def resolve(root: Path, spec: str, *, warn=print) -> CheckpointInfo | None:
     if spec.isdigit():
         path = root / step_dir_name(int(spec))
     else:
-        path = Path(spec)
+        path = storage.as_path(spec)
         if path.name in (MANIFEST, COMMITTED) or path.is_file():
             path = path.parent
     if not path.exists():
@@ -242,15 +242,17 @@ def apply_retention(root: Path, keep: int, *, keep_every: int = 0, in_flight: se
             (info.path / COMMITTED).unlink()
         except FileNotFoundError:
             pass
-        shutil.rmtree(info.path, ignore_errors=True)
+        storage.rmtree(info.path)
         log(f"retention: removed {info.path.name}")
     if doomed:
-        fsync_dir(Path(root))
+        storage.sync_dir(storage.as_path(root))
     return [i.step for i in doomed]
 
 
 def ensure_writable(root: Path) -> None:
-    """Fail at startup, not at the first save, if the checkpoint folder cannot be written."""
+    """Fail at startup, not at the first save, if the checkpoint folder cannot be written (S3: bucket, credentials)."""
+    if storage.is_remote(root):
+        return storage.as_path(root).ensure_writable()
     try:
         Path(root).mkdir(parents=True, exist_ok=True)
         probe = Path(root) / f".write-probe-{os.getpid()}"

@@ -9,7 +9,6 @@ Policy (when to call ``save``) lives in policy.py and train.py; the manager neve
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from . import layout
+from . import layout, storage
 from .backends import Backend, RankInfo, loader_for
 from .backends.base import BackgroundTask
 from .errors import CheckpointError
@@ -67,7 +66,7 @@ class CheckpointManager:
         commit_timeout_s: float = 1800.0,
         log: Callable[[str], None] = print,
     ):
-        self.root = Path(root)
+        self.root = storage.as_path(root)  # a local Path or an s3:// S3Path
         self.backend = backend
         self.rank = rank
         self.run_id = run_id
@@ -133,7 +132,7 @@ class CheckpointManager:
             (step_dir / layout.COMMITTED).unlink(missing_ok=True)
             trash = step_dir.with_name(f".trash-{step_dir.name}-{self.run_id}")
             step_dir.rename(trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            storage.rmtree(trash)
         step_dir.mkdir(parents=True)
 
     def _abandon(self, step_dir: Path, e: OSError) -> None:
@@ -142,7 +141,7 @@ class CheckpointManager:
         try:
             if self.rank.is_main:
                 if not (step_dir / layout.COMMITTED).exists():
-                    shutil.rmtree(step_dir, ignore_errors=True)
+                    storage.rmtree(step_dir)
             else:
                 layout.write_part_record(step_dir, self.rank.rank, {}, run_id=self.run_id, error=str(e.strerror or e))
         except OSError:

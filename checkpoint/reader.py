@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import layout
+from . import layout, storage
 from .errors import CheckpointError
 
 SECTIONS = ("model", "optimizer")
@@ -53,9 +53,18 @@ SECTION_READERS: dict[str, Callable[[Path, dict, str], dict[str, Any]]] = {
 }
 
 
+def _dcp_section(step_dir: Path, manifest: dict, section: str) -> dict[str, Any]:
+    from .backends.dcp import read_section as read_dcp  # imports torch.distributed.checkpoint only when needed
+
+    return read_dcp(step_dir, manifest, section)
+
+
+SECTION_READERS["dcp"] = _dcp_section  # sharded, any world size: full tensors, no process group
+
+
 def locate(path: str | Path) -> tuple[Path, dict | None]:
     """A step folder (verified), an experiment folder (its `latest`), or a single `.pt` file (manifest None)."""
-    p = Path(path)
+    p = storage.as_path(path)  # also s3://bucket/prefix
     if not p.exists():
         raise CheckpointError(f"{p} does not exist")
     if p.is_file():

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from .base import Backend, PayloadHandle, RankInfo
 from .concurrent import ConcurrentBackend
+from .dcp import DCPBackend
 from .vanilla import VanillaBackend
 
-BACKENDS: dict[str, type[Backend]] = {"vanilla": VanillaBackend, "concurrent": ConcurrentBackend}
+BACKENDS: dict[str, type[Backend]] = {"vanilla": VanillaBackend, "concurrent": ConcurrentBackend, "dcp": DCPBackend}
 
 
 def make_backend(name: str, rank: RankInfo, **options) -> Backend:

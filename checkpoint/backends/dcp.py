@@ -1,0 +1,435 @@
+"""`dcp`: torch.distributed.checkpoint — every rank writes its own shard in parallel; loads at any world size.
+
+Files in a step folder (local or ``s3://``):
+
+    __<rank>_0.distcp      this rank's share of model + optimizer. FSDP ranks write their own shards (DTensors); for
+                           DDP, DCP de-duplicates the replicated tensors and spreads them over the ranks.
+    .metadata              DCP's index (rank 0). A pickle: read back with an allow-list unpickler (below).
+    lr_scheduler.pt train_state.pt run_info.pt [grad_scaler.pt]   rank 0; rank-NNNNN.pt: each rank's RNG + data
+                           position. Small, non-tensor or per-rank: written and read with vanilla's helpers.
+    part-rank-*.json, manifest.json, COMMITTED   layout.py, exactly as for every backend: DCP's `.metadata` is not
+                           a commit (no directory fsync, no checksums, nothing about the non-tensor state).
+
+Every file a rank writes goes through a checksumming wrapper around DCP's storage writer, so the part record gets the
+crc32 of the bytes as they were written (nothing is read back). Writers: ``FileSystemWriter(sync_files=True)`` locally
+(+ a directory fsync here), s3torchconnector's ``S3StorageWriter`` for ``s3://`` (region/endpoint from ``AWS_*``).
+
+Loading builds the destination from the *current* model and optimizer (``get_state_dict`` with ``full=False``: DTensor
+shards under FSDP, plain tensors otherwise), lets DCP fill it — DCP reshards, so a checkpoint saved by N ranks loads on
+M — then ``set_state_dict`` applies it, which restores the AdamW moments and step counts in full. A vanilla checkpoint
+(full tensors) also loads into an FSDP model: :class:`DCPModelState` scatters full tensors into shards.
+
+Nothing in a checkpoint can run code on load: DCP's ``.metadata`` is unpickled with an allow-list of DCP's own
+metadata classes, non-tensor values (optimizer hyper-parameters) with ``torch.load(weights_only=True)``.
+
+``--async-checkpoint``: ``dcp.async_save`` on a dedicated gloo process group (created once, at the first save, on every
+rank) so the background save's collectives never interleave with training's; a ``DefaultStager`` (pinned memory and a
+side stream on CUDA) copies the state in a background thread while forward/backward of the next step runs, and
+``PayloadHandle.wait_staged`` (called by train.py right before ``optimizer.step()``) blocks until that copy is done.
+The stager reuses its staging buffers, which is safe because at most one save is in flight (``max_in_flight = 1``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor
+
+from .. import storage
+from ..errors import CheckpointError
+from ..fsio import CHECKSUM_ALGORITHM, ChecksumWriter
+from ..state import CheckpointState, ModelState, OptimizerState, check_compatible
+from .base import Backend, CompletedPayload, PayloadHandle, RankInfo
+from .vanilla import load_pieces, payload_pieces, save_pieces
+
+#: the pieces DCP writes (sharded / de-duplicated); every other piece goes through vanilla's helpers
+TENSOR_KEYS = ("model", "optimizer")
+METADATA = ".metadata"
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns on every call without a process group ("assuming the intent is to ... in a single process"): that
+    is the intent here (one process, or tools that read a checkpoint), so say nothing."""
+    with warnings.catch_warnings():
+        if not _dist():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+# --- state adapters: full=False, and full tensors accepted into an FSDP model --------------------------------------
+
+
+def _holds_dtensors(model: torch.nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _has_dtensor(obj: Any) -> bool:
+    if isinstance(obj, DTensor):
+        return True
+    if isinstance(obj, dict):
+        return any(_has_dtensor(v) for v in obj.values())
+    return False
+
+
+class DCPModelState(ModelState):
+    """ModelState for the dcp backend: ``full=False`` (each rank's FSDP shard as a DTensor; plain tensors for DDP).
+
+    Loading full tensors (a vanilla checkpoint, which every rank reads whole) into an FSDP model scatters them into
+    the shards, so a vanilla checkpoint resumes an FSDP run without conversion."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__(model, full=False)
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        if _holds_dtensors(self.model) and not _has_dtensor(state_dict):
+            check_compatible(self.state_dict(), state_dict)
+            set_model_state_dict(self.model, state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
+        else:
+            super().load_state_dict(state_dict)
+
+
+class DCPOptimizerState(OptimizerState):
+    """OptimizerState for the dcp backend; see :class:`DCPModelState`."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        super().__init__(model, optimizer, full=False)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if _holds_dtensors(self.model) and not _has_dtensor(state_dict):
+            set_optimizer_state_dict(self.model, self.optimizer, state_dict,
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            super().load_state_dict(state_dict)
+
+
+# --- writing: DCP's storage writer with a checksumming filesystem ---------------------------------------------------
+
+
+class _RecordingStream(ChecksumWriter):
+    """fsio's ChecksumWriter plus what DCP's writer calls on a stream (fileno for fsync, close)."""
+
+    def fileno(self) -> int:
+        return self._raw.fileno()  # AttributeError on S3: DCP then skips the fsync (S3 writers do not fsync)
+
+    def close(self) -> None:
+        self._raw.close()
+
+
+class _ChecksumFS:
+    """Wraps the ``fs`` of a DCP FileSystemWriter/S3StorageWriter: every file written through it gets a
+    ``{"size", "crc32"}`` record, keyed by file name, once its stream has been closed (= durable/uploaded)."""
+
+    def __init__(self, fs):
+        self._fs = fs
+        self.records: dict[str, dict] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._fs, name)
+
+    def create_stream(self, path, mode):
+        if mode != "wb":
+            return self._fs.create_stream(path, mode)
+
+        @contextlib.contextmanager
+        def recording():
+            with self._fs.create_stream(path, mode) as raw:
+                stream = _RecordingStream(raw)
+                yield stream
+            self.records[os.path.basename(str(path))] = {"size": stream.size, CHECKSUM_ALGORITHM: f"{stream.crc:08x}"}
+
+        return recording()
+
+    def rename(self, path, new_path) -> None:  # .metadata.tmp -> .metadata
+        self._fs.rename(path, new_path)
+        rec = self.records.pop(os.path.basename(str(path)), None)
+        if rec is not None:
+            self.records[os.path.basename(str(new_path))] = rec
+
+
+def _writer(step_dir):
+    if storage.is_remote(step_dir):
+        from s3torchconnector.dcp import S3StorageWriter
+
+        writer = S3StorageWriter(storage.region(), str(step_dir), s3client_config=storage.client_config())
+    else:
+        writer = FileSystemWriter(step_dir, sync_files=True)
+    writer.fs = _ChecksumFS(writer.fs)
+    return writer
+
+
+# --- reading: no code execution -------------------------------------------------------------------------------------
+
+_MD = "torch.distributed.checkpoint.metadata"
+_METADATA_GLOBALS = {
+    (_MD, n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                       "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, where: str):
+        super().__init__(io.BytesIO(data))
+        self.where = where
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise CheckpointError(f"refusing to load {self.where}: its DCP {METADATA} references {module}.{name}, which is "
+                              "not part of DCP's metadata; the checkpoint was tampered with")
+
+
+class _SafeMetadata:
+    """Mixin for DCP storage readers: ``.metadata`` through the allow-list unpickler instead of ``pickle.load``."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            data = f.read()
+        metadata = _MetadataUnpickler(data, str(path)).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeFileSystemReader(_SafeMetadata, FileSystemReader):
+    pass
+
+
+_s3_reader_cls = None
+
+
+def _reader(step_dir):
+    global _s3_reader_cls
+    if storage.is_remote(step_dir):
+        if _s3_reader_cls is None:
+            from s3torchconnector.dcp import S3StorageReader
+
+            _s3_reader_cls = type("_SafeS3StorageReader", (_SafeMetadata, S3StorageReader), {})
+        return _s3_reader_cls(storage.region(), str(step_dir), s3client_config=storage.client_config())
+    return _SafeFileSystemReader(step_dir)
+
+
+class _WeightsOnlyBytes:
+    """Mixin for DCP load planners: non-tensor values via ``torch.load(weights_only=True)`` (DCP uses False)."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            first = (str(e).strip().splitlines() or ["pickle error"])[0]
+            raise CheckpointError(f"refusing to load {read_item.dest_index.fqn!r}: it holds pickled Python objects "
+                                  f"({first[:160]}); a checkpoint must load with weights_only=True") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class _LoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
+    pass
+
+
+class _TemplateFreePlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
+    pass
+
+
+def _leaf_errors(e: BaseException) -> list[BaseException]:
+    failures = getattr(e, "failures", None) or {}
+    return [v[0] if isinstance(v, tuple) else v for _, v in sorted(failures.items())] or [e]
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+
+
+def _save_error(e: BaseException, step_dir) -> BaseException:
+    """A failed DCP save as what the manager reports in one line: OSError (disk full, S3 errors) or CheckpointError."""
+    leaves = _leaf_errors(e)
+    for leaf in leaves:
+        if isinstance(leaf, (OSError, CheckpointError)):
+            return leaf
+        if type(leaf).__name__ == "S3Exception":
+            return storage.s3_error(leaf, str(step_dir))
+    return CheckpointError(f"saving {step_dir} with DCP failed: {_first_line(leaves[0])}")
+
+
+def _load_error(e: BaseException, step_dir) -> CheckpointError:
+    leaf = _leaf_errors(e)[0]
+    if isinstance(leaf, CheckpointError):
+        return leaf
+    if type(leaf).__name__ == "S3Exception":
+        leaf = storage.s3_error(leaf, str(step_dir))
+    if isinstance(leaf, OSError):
+        return CheckpointError(f"cannot read {leaf.filename or step_dir}: {leaf.strerror or leaf}")
+    return CheckpointError(f"loading {step_dir} with DCP failed: {_first_line(leaf)}")
+
+
+def read_metadata(step_dir):
+    try:
+        return _reader(step_dir).read_metadata()
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise _load_error(e, step_dir) from None
+
+
+def _check_fits(metadata, expected_model: dict[str, torch.Tensor]) -> None:
+    """The model in the checkpoint vs this run's, BEFORE DCP's wall of size-mismatch messages: one clear line."""
+    found = {k[len("model."):]: torch.empty(v.size, device="meta") for k, v in metadata.state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    check_compatible(expected_model, found)
+
+
+def read_section(step_dir, manifest: dict, section: str) -> dict[str, Any]:
+    """One section (model / optimizer) of a DCP checkpoint as full tensors, in this process, without a process group
+    and without a model (the structure is rebuilt from DCP's metadata). Registered in reader.SECTION_READERS."""
+    if section not in TENSOR_KEYS:
+        name = f"{section}.pt"
+        if name not in manifest["files"]:
+            raise CheckpointError(f"{step_dir} holds no {section} state")
+        from .vanilla import safe_load
+
+        return safe_load(storage.as_path(step_dir) / name)
+    planner = _TemplateFreePlanner(keys={section})
+    try:
+        with _quiet_single_process():
+            dcp.load({}, storage_reader=_reader(step_dir), planner=planner, no_dist=True)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:  # CheckpointException derives from BaseException
+        raise _load_error(e, step_dir) from None
+    if section not in planner.original_state_dict:
+        raise CheckpointError(f"{step_dir} holds no {section} state")
+    return planner.original_state_dict[section]
+
+
+# --- the backend ----------------------------------------------------------------------------------------------------
+
+
+class _AsyncPayload(PayloadHandle):
+    def __init__(self, response, fs: _ChecksumFS, files: dict[str, dict], step_dir):
+        self._staged = getattr(response, "staging_completion", None)  # AsyncSaveResponse, or a plain Future
+        self._upload = getattr(response, "upload_completion", response)
+        self._fs = fs
+        self._files = files
+        self._step_dir = step_dir
+
+    def wait_staged(self) -> None:
+        if self._staged is None:
+            return
+        try:
+            self._staged.result()
+        except Exception as e:  # noqa: BLE001
+            raise _save_error(e, self._step_dir) from None
+
+    def wait(self) -> dict[str, dict]:
+        try:
+            self._upload.result()
+        except (Exception, CheckpointException) as e:
+            raise _save_error(e, self._step_dir) from None
+        storage.sync_dir(self._step_dir)
+        return {**self._files, **self._fs.records}
+
+    def done(self) -> bool:
+        return self._upload.done()
+
+
+class DCPBackend(Backend):
+    name = "dcp"
+    max_in_flight = 1  # the stager reuses its staging buffers: the next save starts after the previous is durable
+
+    def __init__(self, rank: RankInfo, *, async_save: bool = False):
+        super().__init__(rank)
+        self.async_save = async_save
+        self._group = None
+        self._stager = None
+
+    # -- save --
+    def _write_rest(self, step_dir, state: CheckpointState) -> dict[str, dict]:
+        """Every piece but model/optimizer, with vanilla's helpers (what goes in which file, and the local writes)."""
+        rest = CheckpointState({k: v for k, v in state.items() if k not in TENSOR_KEYS})
+        pieces = payload_pieces(rest, self.rank.rank)
+        if not storage.is_remote(step_dir):
+            return save_pieces(step_dir, pieces, self.rank.rank)
+        return {name: storage.write_with(step_dir / name, lambda w, obj=obj: torch.save(obj, w))
+                for name, obj in pieces.items()}
+
+    def _checkpoint_group(self):
+        """A gloo group for the background save's collectives, created on every rank at the first async save (all
+        ranks call save() in the same order), so they never interleave with the training group's."""
+        if self._group is None and _dist() and self.rank.world_size > 1:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _async_stager(self):
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=True, use_non_blocking_copy=cuda))
+        return self._stager
+
+    def save(self, step_dir: Path, state: CheckpointState) -> PayloadHandle:
+        tensors = {k: state[k].state_dict() for k in TENSOR_KEYS if k in state}
+        files = self._write_rest(step_dir, state)
+        writer = _writer(step_dir)
+        try:
+            with _quiet_single_process():
+                if self.async_save:
+                    response = dcp.async_save(tensors, storage_writer=writer, process_group=self._checkpoint_group(),
+                                              async_stager=self._async_stager(), no_dist=not _dist())
+                    return _AsyncPayload(response, writer.fs, files, step_dir)
+                dcp.save(tensors, storage_writer=writer, no_dist=not _dist())
+        except (Exception, CheckpointException) as e:
+            raise _save_error(e, step_dir) from None
+        storage.sync_dir(step_dir)  # the names of this rank's files (and rank 0's renamed .metadata) are durable
+        return CompletedPayload({**files, **writer.fs.records})
+
+    # -- load --
+    def load(self, step_dir: Path, manifest: dict, state: CheckpointState) -> None:
+        if METADATA not in manifest["files"]:
+            raise CheckpointError(f"{step_dir}: manifest says backend dcp but lists no {METADATA}")
+        tensors = {k: state[k].state_dict() for k in TENSOR_KEYS if k in state}
+        if "model" in tensors:
+            _check_fits(read_metadata(step_dir), tensors["model"])
+        try:
+            with _quiet_single_process():
+                dcp.load(tensors, storage_reader=_reader(step_dir), planner=_LoadPlanner(), no_dist=not _dist())
+        except (Exception, CheckpointException) as e:
+            raise _load_error(e, step_dir) from None
+        for key, value in tensors.items():
+            state[key].load_state_dict(value)
+        rest = CheckpointState({k: v for k, v in state.items() if k not in TENSOR_KEYS})
+        load_pieces(step_dir, manifest, rest, self.rank.rank)
+
+    @staticmethod
+    def owns(manifest: dict) -> bool:
+        return manifest.get("backend") == "dcp"
+
+    def close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
