@@ -136,6 +136,14 @@ def replicas_identical(model: torch.nn.Module, env: DistEnv) -> bool:
     return len(set(crcs)) == 1
 
 
+def set_timeout(seconds: float) -> None:
+    """Timeout of every later collective on the default group. train.py sets a short one for the training loop once
+    setup (tokenizing, resuming: ranks may legitimately be minutes apart) is over, so a hung rank is noticed in time."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(datetime.timedelta(seconds=seconds))
+
+
 def shutdown(env: DistEnv) -> None:
     if env.distributed and dist.is_initialized():
         dist.destroy_process_group()

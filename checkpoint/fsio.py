@@ -30,12 +30,17 @@ class ChecksumWriter:
         self._raw = raw
         self.size = 0
         self.crc = 0
+        self.error: OSError | None = None  # the first I/O error, which torch.save's zip writer would mask
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         self.crc = zlib.crc32(view, self.crc)
         self.size += len(view)
-        return self._raw.write(view)
+        try:
+            return self._raw.write(view)
+        except OSError as e:
+            self.error = self.error or e
+            raise
 
     def flush(self) -> None:
         self._raw.flush()
@@ -87,7 +92,14 @@ def atomic_write(path: Path, fill: Callable[[ChecksumWriter], None], *, fsync_pa
     try:
         with open(tmp, "wb") as raw:
             writer = ChecksumWriter(raw)
-            fill(writer)
+            try:
+                fill(writer)
+            except Exception as e:
+                # torch.save reports a failed write (e.g. ENOSPC) as "RuntimeError: unexpected pos" from its zip
+                # writer's __exit__; surface the real I/O error so callers can say "disk full" in one line.
+                if writer.error is not None and e is not writer.error:
+                    raise writer.error from None
+                raise
             raw.flush()
             fault_point("after_write_before_fsync", path)
             os.fsync(raw.fileno())
