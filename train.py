@@ -526,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     log0(env, manager.summary(run_s))
     outcome = policy.finish(train.step, args.training_steps)  # a stop before the end: rank 0 requeues (committed above)
     distributed.shutdown(env)
+    _KEEP_UNTIL_EXIT.append(model)  # see __main__: freeing DDP's reducer here can hang the process
     return {stop_policy.FINISHED: EXIT_FINISHED, stop_policy.REQUEUED: EXIT_REQUEUE, stop_policy.STOPPED: EXIT_STOPPED,
             stop_policy.REQUEUE_FAILED: EXIT_REQUEUE_FAILED}[outcome]
 
@@ -545,5 +546,14 @@ def cli() -> int:
         raise
 
 
+# Freed by nobody: the process ends with os._exit once everything is durable and flushed. Freeing a DDP model after
+# destroy_process_group runs ~ProcessGroupGloo with the GIL held while a gloo worker thread may still need the GIL to
+# free the tensors of the last all_gather: a deadlock at exit (pytorch/pytorch#56297), seen here under CPU load -- under
+# SLURM it would hold the allocation until the time limit.
+_KEEP_UNTIL_EXIT: list = []
+
 if __name__ == "__main__":
-    sys.exit(cli())
+    code = cli()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

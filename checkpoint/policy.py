@@ -149,6 +149,10 @@ class SignalWatcher:
         if signum == signal.SIGTERM and not self.armed:
             raise SystemExit(128 + signal.SIGTERM)
 
+    def release_term(self) -> None:
+        """After the last save: SIGTERM kills again (a process stuck in teardown must not outlive it)."""
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
     def vote(self) -> int:
         if not self.received:
             return NONE
@@ -432,15 +436,18 @@ class StepBoundary:
         if self.stopped is None or step >= final_step:
             if self.stopped is not None:
                 self.log(f"rank {self.rank}: stop requested at the final step {step}: training is complete, no requeue")
-            return FINISHED
-        code = _OUTCOME_CODES[self._requeue(step, final_step)] if self.rank == 0 else 0
-        code = int(self.agree(float(code)))
-        outcome = {v: k for k, v in _OUTCOME_CODES.items()}[code]
+            outcome = FINISHED
+        else:
+            code = _OUTCOME_CODES[self._requeue(step, final_step)] if self.rank == 0 else 0
+            code = int(self.agree(float(code)))
+            outcome = {v: k for k, v in _OUTCOME_CODES.items()}[code]
         if self.signals is not None:
             late = self.signals.new()
             if late:
                 self.log(f"rank {self.rank}: also received {', '.join(late)} while stopping: ignored (the save had "
                          f"started; one save per stop)")
+            if self.signals.armed and threading.current_thread() is threading.main_thread():
+                self.signals.release_term()
         return outcome
 
     def want_requeue(self) -> tuple[bool, str]:

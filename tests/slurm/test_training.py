@@ -1,0 +1,348 @@
+"""submit-training-simple.sh + train.py on the real local SLURM cluster: time-limit warning, `scancel -s USR1`,
+walltime-aware stop without a signal, and a chained job array -- each time all ranks save the same step, nothing is lost
+and the final weights equal an uninterrupted run's bit for bit.
+
+The jobs are slow on purpose (``PYRECOVER_STEP_SLEEP``, test-only: timing, never numbers) so that a warning or deadline
+lands mid-run. They are independent, so the module starts the ones of the selected tests at once, each driven by a
+thread (submit, signal, wait), plus the uninterrupted reference run (torchrun, 2 ranks); each test then asserts on its
+own job. With 2 CPUs the cluster runs two 2-rank jobs at a time (``--overcommit``: one CPU per job).
+
+Timings of this SLURM (tests/slurm/README.md): time limits and ``--signal`` warnings are checked every 30 s, so
+``--time=1 --signal=USR1@15`` warns 15-45 s after the start and kills at 60-90 s; a requeued job waits ~12 s.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from helpers import PY, ROOT, TINY, check_weights, env_for_tests, loss_rows, torchrun_cmd  # noqa: E402
+
+pytestmark = pytest.mark.slurm
+
+SCRIPT = ROOT / "submit-training-simple.sh"
+STEPS = 60
+NTASKS = 2
+SUBMITTED: list[int] = []  # cancelled at the end of the module, whatever happened
+TRAIN_FLAGS = TINY + ["--training-steps", str(STEPS), "--checkpoint-frequency", "25", "--max-kept-checkpoints", "2"]
+
+
+def timing(msg: str) -> None:
+    print(f"[slurm-timing] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Jobs
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class Job:
+    """One submission of submit-training-simple.sh (--distributed, 2 ranks on gloo) in its own directory."""
+
+    def __init__(self, cluster, base: Path, name: str, corpus: str, *sbatch_args: str, sleep: float,
+                 train_args: tuple[str, ...] = (), script: str | None = None, exp: str | None = None,
+                 script_flags: tuple[str, ...] = ()):
+        self.cluster, self.name = cluster, name
+        self.dir = base / name
+        self.dir.mkdir(parents=True)
+        self.ckpt = base / "ck"  # one checkpoint dir per module run; one experiment (sub-folder) per scenario
+        exp = exp or name
+        self.run_dir = self.ckpt / exp
+        self.csv = self.run_dir / "loss.csv"
+        self.t_submit = time.monotonic()
+        self.id = cluster.sbatch(
+            script if script is not None else str(SCRIPT),
+            f"--job-name=pyr-{name}", f"--ntasks-per-node={NTASKS}", "--overcommit", f"--chdir={self.dir}",
+            *sbatch_args,
+            script_args=["--distributed", f"--exp_name={exp}", "--log-loss-to-csv", *script_flags, "--",
+                         *TRAIN_FLAGS, "--dataset", corpus, "--checkpoint-dir", str(self.ckpt), *train_args],
+            env={"PYTHON": PY, "PYRECOVER_STEP_SLEEP": str(sleep), "OMP_NUM_THREADS": "1"},
+            cwd=ROOT,  # the submit directory: the batch script finds train.py there
+        )
+        SUBMITTED.append(self.id)
+
+    def outputs(self) -> list[str]:
+        """The job's output files in the working directory: %x-%j.out (one, requeues append to it), or %x-%A_%a.out
+        for an array (one per task, in task order)."""
+        files = sorted(self.dir.glob(f"pyr-{self.name}-*.out"),
+                       key=lambda p: [int(x) for x in p.stem.rsplit("-", 1)[1].split("_")])
+        return [f.read_text(errors="replace") for f in files]
+
+    def output(self) -> str:
+        return "\n".join(self.outputs())
+
+    def rows(self) -> int:
+        try:
+            return max(0, len(self.csv.read_text().splitlines()) - 1)
+        except FileNotFoundError:
+            return 0
+
+    def wait_rows(self, n: int, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while self.rows() < n:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: loss CSV has {self.rows()} rows, waited {timeout}s for {n}\n"
+                                     f"{self.output()[-3000:]}")
+            time.sleep(0.1)
+
+    def wait_output(self, pattern: str, timeout: float = 60) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while True:
+            m = re.search(pattern, self.output())
+            if m:
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: /{pattern}/ not in the job output after {timeout}s\n"
+                                     f"{self.output()[-3000:]}")
+            time.sleep(0.1)
+
+    def csv_rows(self) -> list[dict]:
+        with open(self.csv, newline="") as f:
+            return list(csv.DictReader(f))
+
+
+def stop_steps(out: str) -> list[tuple[int, int, str]]:
+    """(rank, step, reason) of every 'saving and stopping' line, in order."""
+    return [(int(r), int(s), why) for r, s, why in
+            re.findall(r"rank (\d+): saving and stopping at step (\d+): (.*)", out)]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Scenario drivers (run concurrently in threads; each returns what its test asserts on)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def drive_time_limit(cluster, base: Path, corpus: str) -> dict:
+    """--time=1 --signal=USR1@15: warned mid-run, saves, requeues itself; the rerun resumes and finishes."""
+    job = Job(cluster, base, "limit", corpus, "--time=1", "--signal=USR1@15", sleep=0.8)
+    cluster.wait_for_state(job.id, "RUNNING", timeout=900)
+    t_start = time.monotonic()
+    # The warning, the save and the requeue: the job shows one restart.
+    deadline = time.monotonic() + 300
+    while cluster.job_info(job.id).get("Restarts", "0") == "0":
+        assert time.monotonic() < deadline, f"no requeue within 300s\n{job.output()[-3000:]}"
+        time.sleep(0.2)
+    t_requeued = time.monotonic() - t_start
+    # Every 1-minute run would be warned again 15-45 s after its start; give the rerun room to finish, as an admin
+    # extending a limit would (pending job, so nothing else changes).
+    cluster.run("scontrol", "update", f"JobId={job.id}", "TimeLimit=5")
+    info = cluster.wait_for_state(job.id, "COMPLETED", timeout=900)
+    timing(f"time limit: requeued {t_requeued:.1f}s after the job started, all done "
+           f"{time.monotonic() - job.t_submit:.1f}s after submit")
+    return {"job": job, "info": info}
+
+
+def drive_usr1(cluster, base: Path, corpus: str) -> dict:
+    """`scancel -s USR1` mid-run (the #SBATCH warning would come only after the run is over)."""
+    job = Job(cluster, base, "usr1", corpus, "--time=5", sleep=0.05)
+    job.wait_rows(10, timeout=900)
+    t0 = time.monotonic()
+    cluster.scancel(job.id, signal="USR1")
+    m = job.wait_output(r"checkpoint step (\d+) committed.*\n(?:.*\n)*?.*requeued job", timeout=60)
+    saved_s = time.monotonic() - t0
+    info = cluster.wait_for_state(job.id, "COMPLETED", timeout=900)
+    timing(f"scancel -s USR1 -> checkpoint committed and job requeued in {saved_s:.1f}s; all done "
+           f"{time.monotonic() - job.t_submit:.1f}s after submit")
+    return {"job": job, "info": info, "saved_s": saved_s, "stop_match": m}
+
+
+def drive_walltime(cluster, base: Path, corpus: str) -> dict:
+    """No --signal at all: --timeaware-checkpointing reads the end time from squeue and stops in time (--no-requeue:
+    exit 4, the batch script ends the job cleanly); then `submit-training-simple.sh --continue` finishes the run."""
+    text = SCRIPT.read_text()
+    assert "#SBATCH --signal=" in text
+    script = "\n".join(line for line in text.splitlines() if not line.startswith("#SBATCH --signal")) + "\n"
+    job = Job(cluster, base, "walltime", corpus, "--time=2", sleep=0.8, script=script,
+              train_args=("--timeaware-checkpointing", "--walltime-margin-seconds", "75", "--no-requeue"))
+    info = cluster.wait_for_state(job.id, "COMPLETED", timeout=900)
+    stopped_rows = job.csv_rows()
+    rest = Job(cluster, base, "walltime-continue", corpus, "--time=5", sleep=0.0, exp="walltime",
+               script_flags=("--continue",))
+    rest_info = cluster.wait_for_state(rest.id, "COMPLETED", timeout=900)
+    timing(f"walltime stop + --continue job: all done {time.monotonic() - job.t_submit:.1f}s after submit")
+    return {"job": job, "info": info, "stopped_rows": stopped_rows, "rest": rest, "rest_info": rest_info}
+
+
+def drive_array(cluster, base: Path, corpus: str) -> dict:
+    """--array=1-3%1: tasks 1 and 2 are stopped mid-run (USR1, like their time-limit warning), task 3 finishes."""
+    job = Job(cluster, base, "array", corpus, "--array=1-3%1", "--time=5", "--output=%x-%A_%a.out", sleep=0.1)
+    stopped_at = []
+    for task in (1, 2):
+        job.wait_rows((stopped_at[-1] if stopped_at else 0) + 15, timeout=900)  # task `task` is training
+        # On this SLURM (22.05) `scancel -s USR1` of an array task delivers the signal but may exit 229
+        # (ESLURM_ALREADY_DONE & 0xff); what counts is that the ranks log it (asserted in the test).
+        proc = cluster.run("scancel", "-s", "USR1", f"{job.id}_{task}", check=False)
+        assert proc.returncode in (0, 229), (proc.returncode, proc.stderr)
+        cluster.wait_for_state(f"{job.id}_{task}", "COMPLETED", timeout=120)
+        stopped_at.append(job.rows())
+    infos = [cluster.wait_for_state(f"{job.id}_3", "COMPLETED", timeout=900)]
+    timing(f"array of 3: all done {time.monotonic() - job.t_submit:.1f}s after submit, tasks 1/2 stopped at "
+           f"{stopped_at}")
+    return {"job": job, "info": infos[0], "stopped_at": stopped_at}
+
+
+SCENARIOS = {
+    "test_time_limit_warning_saves_requeues_and_resumes_bit_exact": drive_time_limit,
+    "test_scancel_usr1_saves_within_seconds_requeues_and_resumes_bit_exact": drive_usr1,
+    "test_walltime_aware_stop_without_signal_loses_no_step": drive_walltime,
+    "test_job_array_of_three_chained_tasks_reaches_the_target_step": drive_array,
+}
+
+
+class Campaign:
+    def __init__(self, pool: ThreadPoolExecutor):
+        self.pool = pool
+        self.futures: dict[str, Future] = {}
+
+    def result(self, name: str, timeout: float = 900):
+        return self.futures[name].result(timeout=timeout)
+
+
+def _reference(base: Path, corpus: str) -> Path:
+    """The uninterrupted run: same flags, 2 ranks (torchrun, gloo), no pacing."""
+    ck = base / "reference"
+    proc = subprocess.run(torchrun_cmd(NTASKS, TRAIN_FLAGS + ["--dataset", corpus, "--checkpoint-dir", str(ck),
+                                                              "--log-loss-to-csv"]),
+                          capture_output=True, text=True, timeout=600, env=env_for_tests(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return ck / "default"
+
+
+@pytest.fixture(scope="module")
+def campaign(slurm_cluster, corpus, tmp_path_factory, request):
+    selected = {item.name for item in request.session.items if item.module.__name__ == __name__}
+    base = tmp_path_factory.mktemp("slurm-training")
+    base.chmod(0o755)
+    pool = ThreadPoolExecutor(max_workers=len(SCENARIOS) + 1)
+    c = Campaign(pool)
+    c.futures["reference"] = pool.submit(_reference, base, corpus)
+    for name, drive in SCENARIOS.items():
+        if name in selected:
+            c.futures[name] = pool.submit(drive, slurm_cluster, base, corpus)
+            time.sleep(1.0)  # submission order = start order on a full node
+    yield c
+    for job_id in SUBMITTED:  # whatever a failed test left running or pending
+        slurm_cluster.run("scancel", str(job_id), check=False)
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Shared assertions
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def assert_same_step_on_all_ranks(stops: list[tuple[int, int, str]], out: str) -> int:
+    assert sorted(r for r, _, _ in stops) == list(range(NTASKS)), out[-4000:]
+    steps = {s for _, s, _ in stops}
+    assert len(steps) == 1, f"ranks stopped at different steps: {stops}"
+    step = steps.pop()
+    assert 0 < step < STEPS, stops
+    assert f"checkpoint step {step} committed" in out
+    return step
+
+
+def assert_resumed_and_finished(job: Job, out: str, stop: int, reference: Path, runs: int) -> None:
+    assert re.search(rf"resumed from \S*step-0*{stop} \(step {stop},", out), out[-4000:]
+    assert "replica check: parameters identical across 2 ranks" in out
+    assert out.rstrip().endswith("training finished"), out[-2000:]
+    # Nothing lost, nothing redone: every step exactly once, the first run's rows end where it saved.
+    rows = job.csv_rows()
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+    first_run = [int(r["step"]) for r in rows if r["restart"] == "0"]
+    assert first_run == list(range(1, stop + 1))
+    assert {r["restart"] for r in rows} == {str(i) for i in range(runs)}
+    assert loss_rows(job.csv) == loss_rows(reference / "loss.csv")
+    cmp = check_weights(reference, job.run_dir, "--tolerance", "0", "--optimizer")
+    assert cmp.returncode == 0 and "bitwise" in cmp.stdout, cmp.stdout + cmp.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_time_limit_warning_saves_requeues_and_resumes_bit_exact(campaign):
+    r = campaign.result("test_time_limit_warning_saves_requeues_and_resumes_bit_exact")
+    job, info = r["job"], r["info"]
+    out = job.output()
+    assert info.get("Restarts") == "1" and info.get("ExitCode") == "0:0", info
+    first, second = out.split("requeued run (SLURM_RESTART_COUNT=1): resuming from latest", 1)
+    for rank in range(NTASKS):  # SLURM's warning (no B:) reached every srun task (maybe after the others agreed)
+        assert re.search(rf"rank {rank}: (also )?received SIGUSR1", first), first[-4000:]
+    stops = stop_steps(first)
+    step = assert_same_step_on_all_ranks(stops, first)
+    assert {why for _, _, why in stops} <= {"received SIGUSR1", "another rank received a stop signal"}, stops
+    assert "received SIGUSR1" in {why for _, _, why in stops}, stops
+    assert re.search(rf"stopped at step {step} of {STEPS}, checkpoint committed; requeued job {job.id} "
+                     r"\(restart 1 of at most \d+\)", first), first[-3000:]
+    assert not stop_steps(second)
+    assert_resumed_and_finished(job, out, step, campaign.result("reference"), runs=2)
+
+
+def test_scancel_usr1_saves_within_seconds_requeues_and_resumes_bit_exact(campaign):
+    r = campaign.result("test_scancel_usr1_saves_within_seconds_requeues_and_resumes_bit_exact")
+    job, info = r["job"], r["info"]
+    out = job.output()
+    assert r["saved_s"] < 15, f"USR1 -> committed + requeued took {r['saved_s']:.1f}s"
+    assert info.get("Restarts") == "1" and info.get("ExitCode") == "0:0", info
+    first = out.split("requeued run (SLURM_RESTART_COUNT=1)", 1)[0]
+    step = assert_same_step_on_all_ranks(stop_steps(first), first)
+    for rank in range(NTASKS):  # scancel -s USR1 signals every task of the step
+        assert re.search(rf"rank {rank}: (also )?received SIGUSR1", first), first[-4000:]
+    assert_resumed_and_finished(job, out, step, campaign.result("reference"), runs=2)
+
+
+def test_walltime_aware_stop_without_signal_loses_no_step(campaign):
+    r = campaign.result("test_walltime_aware_stop_without_signal_loses_no_step")
+    job, info, rest = r["job"], r["info"], r["rest"]
+    out = job.output()
+    assert info.get("ExitCode") == "0:0" and info.get("Restarts", "0") == "0", info  # ended by itself, before the kill
+    assert not re.search(r"rank \d+: received SIG", out)  # no signal was configured: the deadline stopped it
+    assert re.search(rf"walltime: deadline \S+ \(\d+s from now\) from squeue \(job {job.id}\)", out), out[-3000:]
+    stops = stop_steps(out)
+    step = assert_same_step_on_all_ranks(stops, out)
+    why = {rk: w for rk, _, w in stops}
+    m = re.match(r"walltime: ([\d.]+)s left before the deadline from squeue .*< ([\d.]+)s needed", why[0])
+    assert m and 0 < float(m.group(1)) < float(m.group(2)), why  # stopped with time to spare
+    assert why[1] == "walltime (decided on rank 0)"
+    assert "not requeueing: --no-requeue" in out and "train.py exit code 4" in out
+    # Zero steps lost: the last step trained is the step saved.
+    assert [int(x["step"]) for x in r["stopped_rows"]] == list(range(1, step + 1))
+    rest_out = rest.output()
+    assert r["rest_info"].get("ExitCode") == "0:0", r["rest_info"]
+    assert_resumed_and_finished(rest, rest_out, step, campaign.result("reference"), runs=2)
+
+
+def test_job_array_of_three_chained_tasks_reaches_the_target_step(campaign):
+    r = campaign.result("test_job_array_of_three_chained_tasks_reaches_the_target_step")
+    job = r["job"]
+    tasks = job.outputs()
+    assert [re.search(r"run 1 of job \d+ \(array task (\d)\)", t).group(1) for t in tasks] == ["1", "2", "3"], tasks
+    previous = 0
+    for i, text in enumerate(tasks[:2]):
+        step = assert_same_step_on_all_ranks(stop_steps(text), text)
+        assert "not requeueing: job array task" in text, text[-2000:]  # the next task continues instead
+        assert "train.py exit code 4" in text and "stopped with the state saved, not requeued" in text
+        if i:
+            assert re.search(rf"resumed from \S*step-0*{previous} \(step {previous},", text), text[-3000:]
+        assert step > previous
+        previous = step
+    assert "job array task 3: resuming from latest" in tasks[2]
+    assert re.search(rf"resumed from \S*step-0*{previous} \(step {previous},", tasks[2])
+    assert not stop_steps(tasks[2]) and tasks[2].rstrip().endswith("training finished")
+    rows = job.csv_rows()
+    assert [int(x["step"]) for x in rows] == list(range(1, STEPS + 1))  # the target step, every step once
+    assert [x["restart"] for x in rows][0] == "0" and rows[-1]["restart"] == "2"
+    reference = campaign.result("reference")
+    assert loss_rows(job.csv) == loss_rows(reference / "loss.csv")
+    cmp = check_weights(reference, job.run_dir, "--tolerance", "0", "--optimizer")
+    assert cmp.returncode == 0 and "bitwise" in cmp.stdout, cmp.stdout + cmp.stderr
