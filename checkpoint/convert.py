@@ -65,11 +65,10 @@ def convert(src, dst, to: str, log=print):
     else:
         from torch.distributed.checkpoint import save as dcp_save
 
-        from .backends.dcp import _quiet_single_process, _writer
+        from .backends.dcp import _writer
 
         writer = _writer(step_dir)
-        with _quiet_single_process():
-            dcp_save(sections, storage_writer=writer, no_dist=True)
+        dcp_save(sections, storage_writer=writer, no_dist=True)
         storage.sync_dir(step_dir)
         files.update(writer.fs.records)
     layout.commit(step_dir, step, int(manifest["world_size"]), to, [{"rank": 0, "files": files}],

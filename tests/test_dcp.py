@@ -174,6 +174,16 @@ def test_async_save_completes_and_resumes_bit_exact(corpus, tmp_path, reference)
     _bitwise(_step(reference["fsdp"], 8), _step(root, 8))
 
 
+def test_async_background_save_error_stops_the_run_in_one_line(corpus, tmp_path):
+    # the first file DCP writes fails with EIO -- in the background writer thread of the async save
+    proc = _run(1, _args(corpus, tmp_path, *DCP, "--async-checkpoint"), env={"PYRECOVER_FAULT": "dcp_write_file:1:error"})
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: saving step 4") and "injected I/O error" in errors[0], errors
+    assert _rows(tmp_path / "default/loss.csv") <= FREQ + 1  # surfaced at the next step boundary, training stopped
+    assert not [i for i in layout.list_checkpoints(tmp_path / "default") if i.committed]  # nothing half-saved committed
+
+
 # --- resharding: N ranks -> M ranks ---------------------------------------------------------------------------------
 
 # Loads a checkpoint with the CURRENT world size through the real CheckpointManager + dcp backend (model wrapped by

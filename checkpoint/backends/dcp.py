@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import storage
 from ..errors import CheckpointError
-from ..fsio import CHECKSUM_ALGORITHM, ChecksumWriter
+from ..fsio import CHECKSUM_ALGORITHM, ChecksumWriter, fault_point
 from ..state import CheckpointState, ModelState, OptimizerState, check_compatible
 from .base import Backend, CompletedPayload, PayloadHandle, RankInfo
 from .vanilla import load_pieces, payload_pieces, save_pieces
@@ -66,14 +66,10 @@ def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-@contextlib.contextmanager
-def _quiet_single_process():
-    """DCP warns on every call without a process group ("assuming the intent is to ... in a single process"): that
-    is the intent here (one process, or tools that read a checkpoint), so say nothing."""
-    with warnings.catch_warnings():
-        if not _dist():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+# DCP warns on every call without a process group ("torch.distributed is disabled ... assuming the intent is to save
+# in a single process"), also from the background thread of an async save: that is the intent here (one process, or a
+# tool reading a checkpoint), so say nothing.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 # --- state adapters: full=False, and full tensors accepted into an FSDP model --------------------------------------
@@ -152,6 +148,7 @@ class _ChecksumFS:
 
         @contextlib.contextmanager
         def recording():
+            fault_point("dcp_write_file", path)  # test-only hook (fsio.py): kill or fail inside a DCP save
             with self._fs.create_stream(path, mode) as raw:
                 stream = _RecordingStream(raw)
                 yield stream
@@ -314,8 +311,7 @@ def read_section(step_dir, manifest: dict, section: str) -> dict[str, Any]:
         return safe_load(storage.as_path(step_dir) / name)
     planner = _TemplateFreePlanner(keys={section})
     try:
-        with _quiet_single_process():
-            dcp.load({}, storage_reader=_reader(step_dir), planner=planner, no_dist=True)
+        dcp.load({}, storage_reader=_reader(step_dir), planner=planner, no_dist=True)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # CheckpointException derives from BaseException
@@ -397,12 +393,11 @@ class DCPBackend(Backend):
         files = self._write_rest(step_dir, state)
         writer = _writer(step_dir)
         try:
-            with _quiet_single_process():
-                if self.async_save:
-                    response = dcp.async_save(tensors, storage_writer=writer, process_group=self._checkpoint_group(),
-                                              async_stager=self._async_stager(), no_dist=not _dist())
-                    return _AsyncPayload(response, writer.fs, files, step_dir)
-                dcp.save(tensors, storage_writer=writer, no_dist=not _dist())
+            if self.async_save:
+                response = dcp.async_save(tensors, storage_writer=writer, process_group=self._checkpoint_group(),
+                                          async_stager=self._async_stager(), no_dist=not _dist())
+                return _AsyncPayload(response, writer.fs, files, step_dir)
+            dcp.save(tensors, storage_writer=writer, no_dist=not _dist())
         except (Exception, CheckpointException) as e:
             raise _save_error(e, step_dir) from None
         storage.sync_dir(step_dir)  # the names of this rank's files (and rank 0's renamed .metadata) are durable
@@ -416,8 +411,7 @@ class DCPBackend(Backend):
         if "model" in tensors:
             _check_fits(read_metadata(step_dir), tensors["model"])
         try:
-            with _quiet_single_process():
-                dcp.load(tensors, storage_reader=_reader(step_dir), planner=_LoadPlanner(), no_dist=not _dist())
+            dcp.load(tensors, storage_reader=_reader(step_dir), planner=_LoadPlanner(), no_dist=not _dist())
         except (Exception, CheckpointException) as e:
             raise _load_error(e, step_dir) from None
         for key, value in tensors.items():
