@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import csv
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,3 +69,60 @@ def loss_rows(path: Path) -> list[tuple[str, str, str, str]]:
     """The deterministic columns of a loss CSV (wall time and restart count legitimately differ between runs)."""
     with open(path, newline="") as f:
         return [(r["step"], r["loss"], r["lr"], r["tokens_seen"]) for r in csv.DictReader(f)]
+
+
+def csv_rows(csv: Path) -> int:
+    try:
+        return max(0, len(csv.read_text().splitlines()) - 1)
+    except FileNotFoundError:
+        return 0
+
+
+def _process_tree(pid: int) -> list[int]:
+    """pid and all its descendants. torchrun starts every rank in a NEW session (torch.distributed.elastic's
+    SubprocessHandler: start_new_session=True), so killing torchrun's process group leaves the ranks running."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_run_at_row(cmd: list[str], csv: Path, row: int, *, env: dict | None = None, cwd: Path = ROOT,
+                    timeout: float = 300) -> None:
+    """Start a run and SIGKILL it -- torchrun and every rank, like a node loss -- once the loss CSV shows `row` steps."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env or env_for_tests(),
+                            cwd=cwd, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while csv_rows(csv) < row:
+            assert proc.poll() is None, f"run ended (rc {proc.returncode}) before step {row}"
+            assert time.monotonic() < deadline, "timed out waiting for the run to reach the kill step"
+            time.sleep(0.01)
+    finally:
+        tree = _process_tree(proc.pid)
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+        while any(_alive(pid) for pid in tree):  # orphaned ranks are reaped by init
+            assert time.monotonic() < deadline + 30, "ranks survived SIGKILL"
+            time.sleep(0.01)
+    assert csv_rows(csv) < row + 2  # nothing kept training after the kill

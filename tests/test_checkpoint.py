@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import PY, ROOT, TINY, check_weights, env_for_tests, loss_rows, run_train, torchrun_cmd
+from helpers import PY, ROOT, TINY, check_weights, env_for_tests, kill_run_at_row, loss_rows, run_train, torchrun_cmd
 
 sys.path.insert(0, str(ROOT))
 from checkpoint import layout  # noqa: E402
@@ -37,26 +36,9 @@ def _run(nproc: int, args: list[str], env: dict | None = None, timeout: float = 
                           cwd=ROOT)
 
 
-def _rows(csv: Path) -> int:
-    try:
-        return max(0, len(csv.read_text().splitlines()) - 1)
-    except FileNotFoundError:
-        return 0
-
-
-def _kill_at_row(nproc: int, args: list[str], csv: Path, row: int, timeout: float = 300) -> None:
-    """Start a run and SIGKILL its whole process group once the loss CSV shows `row` steps: a real `kill -9`."""
-    proc = subprocess.Popen(_cmd(nproc, args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=env_for_tests(), cwd=ROOT, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    try:
-        while _rows(csv) < row:
-            assert proc.poll() is None, f"run ended (rc {proc.returncode}) before step {row}"
-            assert time.monotonic() < deadline, "timed out waiting for the run to reach the kill step"
-            time.sleep(0.01)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+def _kill_at_row(nproc: int, args: list[str], csv: Path, row: int) -> None:
+    """A real `kill -9` of the run (launcher and every rank) once the loss CSV shows `row` steps."""
+    kill_run_at_row(_cmd(nproc, args), csv, row)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import json
 import os
 import pickle
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PY, ROOT, TINY, check_weights, env_for_tests, loss_rows, torchrun_cmd
+from helpers import PY, ROOT, TINY, check_weights, csv_rows, env_for_tests, kill_run_at_row, loss_rows, torchrun_cmd
 
 sys.path.insert(0, str(ROOT))
 from checkpoint import layout  # noqa: E402
@@ -48,63 +47,6 @@ def _run(nproc: int, args: list[str], *, script: Path | None = None, env: dict |
 def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
     return proc
-
-
-def _rows(csv: Path) -> int:
-    try:
-        return max(0, len(csv.read_text().splitlines()) - 1)
-    except FileNotFoundError:
-        return 0
-
-
-def _process_tree(pid: int) -> list[int]:
-    """pid and all its descendants. torchrun starts every rank in a NEW session (torch.distributed.elastic's
-    SubprocessHandler: start_new_session=True), so killing torchrun's process group leaves the ranks running."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo += children.get(tree[-1], [])
-    return tree
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def kill_run_at_row(cmd: list[str], csv: Path, row: int, *, env: dict | None = None, cwd: Path = ROOT,
-                    timeout: float = 300) -> None:
-    """Start a run and SIGKILL it -- torchrun and every rank, like a node loss -- once the loss CSV shows `row` steps."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env or env_for_tests(),
-                            cwd=cwd, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    try:
-        while _rows(csv) < row:
-            assert proc.poll() is None, f"run ended (rc {proc.returncode}) before step {row}"
-            assert time.monotonic() < deadline, "timed out waiting for the run to reach the kill step"
-            time.sleep(0.01)
-    finally:
-        tree = _process_tree(proc.pid)
-        for pid in tree:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait()
-        while any(_alive(pid) for pid in tree):  # orphaned ranks are reaped by init
-            assert time.monotonic() < deadline + 30, "ranks survived SIGKILL"
-            time.sleep(0.01)
-    assert _rows(csv) < row + 2  # nothing kept training after the kill
 
 
 def _kill_at_row(nproc: int, args: list[str], csv: Path, row: int) -> None:
@@ -180,7 +122,7 @@ def test_async_background_save_error_stops_the_run_in_one_line(corpus, tmp_path)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("error: saving step 4") and "injected I/O error" in errors[0], errors
-    assert _rows(tmp_path / "default/loss.csv") <= FREQ + 1  # surfaced at the next step boundary, training stopped
+    assert csv_rows(tmp_path / "default/loss.csv") <= FREQ + 1  # surfaced at the next step boundary, training stopped
     assert not [i for i in layout.list_checkpoints(tmp_path / "default") if i.committed]  # nothing half-saved committed
 
 
@@ -259,7 +201,7 @@ def test_resharding_to_a_global_batch_the_data_position_does_not_fit(corpus, tmp
     src = _step(reference["ddp"], 4)  # 4 steps x global batch 8: data position 32
     line = _one_error_line(_run(3, _args(corpus, tmp_path, *DCP, *PARALLEL["ddp"], "--resume-from-checkpoint", str(src))))
     assert "global sample 32" in line and "global batch 12" in line
-    assert not (tmp_path / "default" / "loss.csv").exists() or _rows(tmp_path / "default" / "loss.csv") == 0
+    assert not (tmp_path / "default" / "loss.csv").exists() or csv_rows(tmp_path / "default" / "loss.csv") == 0
 
 
 # --- formats: a checkpoint loads through the backend that wrote it; conversion ---------------------------------

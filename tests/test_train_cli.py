@@ -5,10 +5,8 @@ from __future__ import annotations
 import re
 import subprocess
 
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 
 from helpers import PY, ROOT, TINY, env_for_tests, loss_rows, run_torchrun, run_train
 
