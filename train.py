@@ -425,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     jit = checkpoint_jit.setup(args.jit_checkpoint, root=log_dir,  # = run_root; local ./logs/<exp> for s3 (jit refused)
                                state=state, rank=rank_info, run_id=run_id[0],
                                model=model, current_step=lambda: train.step,
-                               reseed=lambda r: seed_everything(args.seed + r), log=lambda m: print(m, flush=True))
+                               reseed=lambda r: seed_everything(args.seed + r), log=lambda m: print(m, flush=True),
+                               csv_path=csv_path)
     if env.distributed and args.pg_timeout_seconds:
         distributed.set_timeout(args.pg_timeout_seconds)
     save_failed_at, saved_at = None, None  # --on-save-error continue: the final checkpoint must still exist
@@ -452,6 +453,11 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor; materialise it on every rank (a collective)
             grad_norm = grad_norm.full_tensor()
 
+        loss_value = loss.detach().float()
+        if env.distributed:  # the logged loss is the global batch's mean, identical on every rank
+            dist.all_reduce(loss_value)  # before optimizer.step(): a peer failure seen here loses nothing (jit.py)
+            loss_value /= env.world_size
+
         manager.wait_staged()  # an async save still copying the weights must finish before they change
         jit.begin_optimizer()
         if scaler is not None:
@@ -466,11 +472,9 @@ def main(argv: list[str] | None = None) -> int:
         train.tokens_seen += tokens_per_step
         jit.end_step()
 
-        loss_value = loss.detach().float()
-        if env.distributed:  # the logged loss is the global batch's mean, identical on every rank
-            dist.all_reduce(loss_value)
-            loss_value /= env.world_size
         loss_f = float(loss_value)
+        jit.note_row(step=train.step, loss=repr(loss_f), lr=repr(lr), tokens_seen=train.tokens_seen,
+                     restart=train.restarts)  # --jit-checkpoint: a survivor logs this step if rank 0 died before it
         step_s = time.perf_counter() - t0
         if loss_csv:
             loss_csv.row(step=train.step, loss=repr(loss_f), lr=repr(lr), tokens_seen=train.tokens_seen,

@@ -15,9 +15,13 @@ How a failure is noticed
 What is saved, and how exactly
     The step is the last one completed (``train_state.step``). A failure noticed during forward/backward/clipping means
     the state is that of the previous step; the data-loader position and RNG are taken from a snapshot at the start of
-    the step (cheap: a few integers and ~5 KB). A failure noticed between steps (loss all-reduce, a periodic save) means
-    the step just completed. A rank caught *inside* the optimizer step (its parameters may be half-updated) never saves;
-    a SIGTERM arriving there is deferred to the end of the step.
+    the step (cheap: a few integers and ~5 KB); train.py all-reduces the logged loss there too, before the optimizer
+    step. A failure noticed between steps (the stop-policy vote, a periodic save) means the step just completed. A rank
+    caught *inside* the optimizer step (its parameters may be half-updated) never saves; a SIGTERM arriving there is
+    deferred to the end of the step.
+
+    The loss CSV is written by rank 0 only. Every rank notes the row of each completed step (``note_row``); if rank 0
+    died before writing the row of the step being saved, the survivor appends it, so the CSV keeps every step once.
 
     Exact: model, optimizer, LR scheduler, grad scaler, step/token counters (identical on every replica), and the
     data-loader position (global: every rank's loader holds the same epoch/position, so the survivor's serves all ranks).
@@ -48,6 +52,7 @@ hang right after the forward pass of step k (before backward and its all-reduce)
 
 from __future__ import annotations
 
+import csv
 import os
 import re
 import shutil
@@ -116,8 +121,11 @@ class JustInTime:
     """Phase tracking around the training step plus the recovery path. Disabled instances cost nothing."""
 
     def __init__(self, enabled: bool, *, root: Path, state: CheckpointState, rank: RankInfo, run_id: str,
-                 reseed: Callable[[int], None] | None = None, log: Callable[[str], None] = print):
+                 reseed: Callable[[int], None] | None = None, log: Callable[[str], None] = print,
+                 csv_path: Path | None = None):
         self.enabled = enabled
+        self.csv_path = Path(csv_path) if csv_path else None
+        self._row: dict[str, Any] | None = None  # the loss-CSV row of the last completed step
         self.root = Path(root)
         self.state = state
         self.rank = rank
@@ -133,6 +141,7 @@ class JustInTime:
     def begin_step(self) -> None:
         if not self.enabled:
             return
+        self._raise_pending()
         # What the per-rank pieces were when the last completed step ended (the step about to run changes them).
         self._snapshot = {key: piece.state_dict() for key, piece in self.state.per_rank().items()}
         self.phase = FORWARD_BACKWARD
@@ -146,8 +155,20 @@ class JustInTime:
             return
         self.phase = BETWEEN_STEPS
         self._snapshot = {}
+
+    def note_row(self, **row: Any) -> None:
+        """The loss-CSV row of the step just completed, on every rank (train.py all-reduces the loss *before* the
+        optimizer step, so every rank knows it). Only rank 0 writes the CSV; if it dies before writing this row and a
+        survivor saves this step, the survivor appends the row, so the CSV still has every step exactly once."""
+        if not self.enabled:
+            return
+        self._row = row
+        self._raise_pending()
+
+    def _raise_pending(self) -> None:
         if self._pending_signal is not None:
-            raise JITInterrupt(f"received {signal.Signals(self._pending_signal).name} during the optimizer step")
+            signum, self._pending_signal = self._pending_signal, None
+            raise JITInterrupt(f"received {signal.Signals(signum).name} during the optimizer step")
 
     # --- SIGTERM ---------------------------------------------------------------------------------------------------
     def install_signal_handler(self) -> bool:
@@ -212,6 +233,7 @@ class JustInTime:
         if not self._elect(work):
             return True
         try:
+            self._complete_csv(step)
             path, meta = self._save(work, step)
         except (OSError, CheckpointError) as e:
             self.log(f"jit: rank {r} could not save step {step}: {one_line(e)}; resume falls back to the last "
@@ -244,6 +266,25 @@ class JustInTime:
         os.write(fd, str(r).encode())
         os.close(fd)
         return True
+
+    def _complete_csv(self, step: int) -> None:
+        """Make sure the loss CSV has the row of ``step`` before a checkpoint of it becomes visible."""
+        if self.csv_path is None or not self.csv_path.exists():
+            return
+        if self._row is None or int(self._row["step"]) != step:
+            self.log(f"jit: the loss of step {step} is unknown here; the loss CSV may lack that row")
+            return
+        with open(self.csv_path, newline="") as f:
+            reader = csv.DictReader(f)
+            fields = reader.fieldnames or list(self._row)
+            steps = [int(r["step"]) for r in reader if (r.get("step") or "").isdigit()]
+        if steps and max(steps) >= step:
+            return
+        with open(self.csv_path, "a", newline="") as f:
+            csv.DictWriter(f, fields, extrasaction="ignore").writerow({**self._row, "wall_time": f"{time.time():.3f}"})
+            f.flush()
+            os.fsync(f.fileno())
+        self.log(f"jit: appended the loss of step {step} to {self.csv_path} (rank 0 did not live to write it)")
 
     def _per_rank_payloads(self) -> tuple[dict[int, dict], bool]:
         """Per-rank files for every rank of the run: own pieces exact; others derived (see module docstring)."""
@@ -334,11 +375,12 @@ def install_crash_knob(model: torch.nn.Module, rank: int, current_step: Callable
 
 def setup(enabled: bool, *, root: Path, state: CheckpointState, rank: RankInfo, run_id: str, model: torch.nn.Module,
           current_step: Callable[[], int], reseed: Callable[[int], None] | None = None,
-          log: Callable[[str], None] = print) -> JustInTime:
+          log: Callable[[str], None] = print, csv_path: Path | None = None) -> JustInTime:
     """Create the checkpointer train.py calls around each step (a no-op one when ``enabled`` is False)."""
     global ACTIVE
     install_crash_knob(model, rank.rank, current_step)
-    jit = JustInTime(enabled, root=root, state=state, rank=rank, run_id=run_id, reseed=reseed, log=log)
+    jit = JustInTime(enabled, root=root, state=state, rank=rank, run_id=run_id, reseed=reseed, log=log,
+                     csv_path=csv_path)
     if not enabled:
         return jit
     if _is_fsdp(model):

@@ -163,7 +163,7 @@ class CheckpointManager:
         they still commit and the process never exits under a half-written save it could have finished."""
         try:
             while self.in_flight and (self.in_flight[0].done() or len(self.in_flight) >= block_until_below):
-                self.in_flight.popleft().wait()
+                self._wait_and_forget(self.in_flight[0])
             for h in [h for h in self.in_flight if h.done()]:
                 self.in_flight.remove(h)
                 h.wait()
@@ -171,13 +171,24 @@ class CheckpointManager:
             self._drain()
             raise
 
+    def _wait_and_forget(self, h: SaveHandle) -> None:
+        """Wait for ``h``, then drop it from ``in_flight`` -- in that order: a later save committing in the background
+        meanwhile runs retention, which must still see ``h`` as in flight (else its folder is deleted as a stale
+        partial while it is being written)."""
+        try:
+            h.wait()
+        finally:
+            try:
+                self.in_flight.remove(h)
+            except ValueError:
+                pass
+
     def _drain(self) -> None:
         if self.in_flight:
             self.log(f"waiting for {len(self.in_flight)} other checkpoint save(s) in flight before stopping")
         while self.in_flight:
-            h = self.in_flight.popleft()
             try:
-                h.wait()
+                self._wait_and_forget(self.in_flight[0])
             except Exception as e:  # noqa: BLE001 - the first error is the one raised; later ones are logged
                 self.log(f"warning: {e}")
 

@@ -465,13 +465,37 @@ class _Piece:
         self.value = sd["v"]
 
 
-def _jit(tmp_path: Path, step: int = 5):
+def _jit(tmp_path: Path, step: int = 5, rank: int = 0, csv_path: Path | None = None):
     from checkpoint import CheckpointState, RankInfo, TrainState
     from checkpoint.jit import JustInTime
 
     train = TrainState(step=step)
     state = CheckpointState(model=_Piece(1), train_state=train, dataloader=_Piece(7))
-    return JustInTime(True, root=tmp_path, state=state, rank=RankInfo(0, 2), run_id="test", log=lambda m: None)
+    return JustInTime(True, root=tmp_path, state=state, rank=RankInfo(rank, 2), run_id="test", log=lambda m: None,
+                      csv_path=csv_path)
+
+
+def test_jit_survivor_commits_and_logs_the_step_rank0_never_logged(tmp_path):
+    """Rank 1 completes step 5 and rank 0 dies before writing CSV row 5: rank 1 saves step 5 as a committed,
+    verifiable 2-rank checkpoint (meta.jit) and appends row 5, so the CSV still has every step once."""
+    csv_path = tmp_path / "loss.csv"
+    csv_path.write_text("step,loss,lr,tokens_seen,wall_time,restart\n" +
+                        "".join(f"{i},{i}.0,0.1,{10 * i},0.0,0\n" for i in range(1, 5)))
+    jit = _jit(tmp_path, step=5, rank=1, csv_path=csv_path)
+    jit.begin_step()
+    jit.begin_optimizer()
+    jit.end_step()
+    jit.note_row(step=5, loss="5.0", lr="0.1", tokens_seen=50, restart=0)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert jit.recover(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")) is True
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    manifest = layout.verify(step_dir(tmp_path, 5))
+    assert manifest["step"] == 5 and manifest["world_size"] == 2 and manifest["meta"]["jit"] is True
+    assert {"model.pt", "train_state.pt", "rank-00000.pt", "rank-00001.pt"} <= set(manifest["files"])
+    assert [r[0] for r in loss_rows(csv_path)] == ["1", "2", "3", "4", "5"]
+    assert loss_rows(csv_path)[-1] == ("5", "5.0", "0.1", "50")
 
 
 def test_jit_never_saves_from_inside_the_optimizer_step(tmp_path):
@@ -499,8 +523,9 @@ def test_jit_sigterm_in_optimizer_step_is_deferred_to_the_step_end(tmp_path):
     jit.begin_step()
     jit.begin_optimizer()
     jit._on_signal(signal.SIGTERM, None)  # inside the optimizer step: nothing happens yet
+    jit.end_step()
     with pytest.raises(JITInterrupt, match="during the optimizer step"):
-        jit.end_step()
+        jit.note_row(step=6, loss="1.0", lr="0.1", tokens_seen=60, restart=0)  # once the step is complete and logged
 
 
 def test_jit_tells_peer_failures_from_own_failures():

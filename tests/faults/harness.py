@@ -304,6 +304,10 @@ def run_trial(cfg: Config, ref: Reference, dataset: str, base: Path, steps: int,
                     killed_by_us = "random" if cfg.world_size == 1 else "random-job"
         rc = run.wait()
         out = run.output
+        if keep:
+            trial_dir.mkdir(parents=True, exist_ok=True)
+            (trial_dir / f"attempt-{c.attempts}-{kind or 'none'}-{env.get('PYRECOVER_FAULT', '')}.log").write_text(
+                f"exit {rc}, killed by the harness: {killed_by_us}\n{out}")
         cur = scan(exp)
         fault_hits = re.findall(r"\[fault\] SIGKILL at (\w+)", out)
         killed = killed_by_us or (fault_hits[0] if fault_hits else None)
