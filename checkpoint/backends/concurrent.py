@@ -497,15 +497,17 @@ class ConcurrentBackend(Backend):
     """See the module docstring. ``max_async``: saves in flight at once (= host buffer sets); ``chunk_mib``: pipeline
     granularity; ``log``: where allocation/overlap/summary lines go (rank 0 prints by default); ``pipeline``: write
     chunk i while chunk i+1 is copied (default) or only after the whole snapshot is staged; ``writer_nice``: scheduling priority of
-    the writer threads (0 = same as training)."""
+    the writer threads (0 = same as training, the default)."""
 
     name = "concurrent"
 
     def __init__(self, rank: RankInfo, max_async: int = 2, chunk_mib: float = DEFAULT_CHUNK / MiB,
-                 log: Callable[[str], None] | None = None, pipeline: bool = True, writer_nice: int = 10):
+                 log: Callable[[str], None] | None = None, pipeline: bool = True, writer_nice: int = 0):
         super().__init__(rank)
-        self.writer_nice = writer_nice  # the writer threads run at this nice value (the copier does not: it is on
-        #                                 the critical path before optimizer.step())
+        # Opt-in: run the writer threads at this nice value (never the copier: it is on the critical path before
+        # optimizer.step()). Off by default: on the shared benchmark machine it did not reliably shrink the training
+        # dip and it stretched time-to-durable several-fold whenever other processes competed for the cores.
+        self.writer_nice = writer_nice
         self.pipeline = pipeline  # False: the writer starts after the copy (less CPU/memory contention with the copy)
         if int(max_async) < 1:
             raise ValueError(f"--max-async must be at least 1, got {max_async}")
