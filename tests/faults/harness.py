@@ -126,6 +126,7 @@ class Run:
         self.lines: list[str] = []
         self.t0 = time.monotonic()
         self.t_loop: float | None = None
+        self.t_done: float | None = None  # the "done:" line: the loop and the final save are over
         self.t_end: float | None = None
         self.loop_started = threading.Event()
         self.hung = False
@@ -138,6 +139,8 @@ class Run:
             if not self.loop_started.is_set() and line.startswith("model "):
                 self.t_loop = time.monotonic()
                 self.loop_started.set()
+            elif self.t_done is None and line.startswith("done: "):
+                self.t_done = time.monotonic()
         self.loop_started.set()  # also on exit, so nobody waits forever
 
     @property
@@ -254,7 +257,7 @@ def run_reference(cfg: Config, dataset: str, base: Path, steps: int) -> Referenc
     exp = ckpt / EXPERIMENT
     final = exp / f"step-{steps:08d}"
     ok = rc == 0 and (final / "COMMITTED").exists() and run.t_loop is not None
-    step_s = (run.t_end - run.t_loop) / steps if run.t_loop else 1.0
+    step_s = ((run.t_done or run.t_end) - run.t_loop) / steps if run.t_loop else 1.0
     writes = 12
     if ok:
         manifest = json.loads((final / "manifest.json").read_text())
@@ -291,7 +294,7 @@ def run_trial(cfg: Config, ref: Reference, dataset: str, base: Path, steps: int,
         killed_by_us = None
         if kind == "random":
             run.loop_started.wait(timeout=ATTEMPT_TIMEOUT_S)
-            delay = rng.uniform(0, ref.step_s * (steps - start) * 1.05)
+            delay = rng.uniform(0, ref.step_s * (steps - start))
             try:
                 run.proc.wait(timeout=delay)
             except subprocess.TimeoutExpired:
