@@ -46,6 +46,8 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from checkpoint.fsio import atomic_file  # the one implementation of tmp + fsync + rename + fsync-dir
+
 __all__ = [
     "DataError",
     "DEFAULT_TOKENIZER",
@@ -331,38 +333,6 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _tmp_name(final: Path) -> Path:
-    return final.with_name(f"{final.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
-
-
-@contextlib.contextmanager
-def _atomic_file(final: Path) -> Iterator[io.BufferedWriter]:
-    """Open a unique temp file beside ``final``; on success fsync it, rename over ``final`` and fsync the dir."""
-    tmp = _tmp_name(final)
-    f = open(tmp, "wb")
-    try:
-        yield f
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
-    except BaseException:
-        f.close()
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[bool]:
     """Best-effort exclusive lock so concurrent ranks tokenize once; yields False if locking is unavailable."""
@@ -498,7 +468,7 @@ def _open_cache(cache: Path, tokenizer: Tokenizer) -> tuple[np.ndarray | None, s
 
 def _build_cache(path: Path, pf, tokenizer: Tokenizer, cache: Path, verbose: bool) -> None:
     t0 = time.perf_counter()
-    with _atomic_file(cache) as f:
+    with atomic_file(cache) as f:
         f.write(b"\0" * _NPY_HEADER_LEN)
         docs, ntok = _tokenize_to(pf, tokenizer, f)
         if ntok == 0:
@@ -809,7 +779,7 @@ def build_default_dataset(output: str | os.PathLike) -> dict:
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     table = pa.table({"text": [t for _, t in docs], "source": [s for s, _ in docs]})
-    with _atomic_file(out) as f:
+    with atomic_file(out) as f:
         pq.write_table(table, f, compression="zstd", row_group_size=256)
     return {
         "docs": len(docs),

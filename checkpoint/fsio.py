@@ -8,12 +8,13 @@ state or the complete new file, never a torn one.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import uuid
 import zlib
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Iterator
 
 CHECKSUM_ALGORITHM = "crc32"
 _CHUNK = 8 << 20
@@ -82,24 +83,16 @@ def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
 
 
-def atomic_write(path: Path, fill: Callable[[ChecksumWriter], None], *, fsync_parent: bool = True) -> dict:
-    """Write ``path`` atomically via ``fill(writer)``; return ``{"size", "crc32"}`` of the bytes written.
-
-    On any error the temporary file is removed and ``path`` is untouched.
-    """
+@contextlib.contextmanager
+def atomic_file(path: Path, *, fsync_parent: bool = True) -> Iterator[BinaryIO]:
+    """Open a temporary file beside ``path`` for writing; on success flush, fsync, rename it over ``path`` and fsync
+    the directory. On any error the temporary file is removed and ``path`` is untouched. The file is a real (seekable)
+    file, for writers that patch a header afterwards (dataset.py's token cache)."""
     path = Path(path)
     tmp = _tmp_name(path)
     try:
         with open(tmp, "wb") as raw:
-            writer = ChecksumWriter(raw)
-            try:
-                fill(writer)
-            except Exception as e:
-                # torch.save reports a failed write (e.g. ENOSPC) as "RuntimeError: unexpected pos" from its zip
-                # writer's __exit__; surface the real I/O error so callers can say "disk full" in one line.
-                if writer.error is not None and e is not writer.error:
-                    raise writer.error from None
-                raise
+            yield raw
             raw.flush()
             fault_point("after_write_before_fsync", path)
             os.fsync(raw.fileno())
@@ -113,6 +106,20 @@ def atomic_write(path: Path, fill: Callable[[ChecksumWriter], None], *, fsync_pa
         raise
     if fsync_parent:
         fsync_dir(path.parent)
+
+
+def atomic_write(path: Path, fill: Callable[[ChecksumWriter], None], *, fsync_parent: bool = True) -> dict:
+    """Write ``path`` atomically via ``fill(writer)``; return ``{"size", "crc32"}`` of the bytes written."""
+    with atomic_file(path, fsync_parent=fsync_parent) as raw:
+        writer = ChecksumWriter(raw)
+        try:
+            fill(writer)
+        except Exception as e:
+            # torch.save reports a failed write (e.g. ENOSPC) as "RuntimeError: unexpected pos" from its zip
+            # writer's __exit__; surface the real I/O error so callers can say "disk full" in one line.
+            if writer.error is not None and e is not writer.error:
+                raise writer.error from None
+            raise
     return {"size": writer.size, CHECKSUM_ALGORITHM: f"{writer.crc:08x}"}
 
 
