@@ -380,7 +380,8 @@ class _Snapshot(PayloadHandle):
         with torch.cuda.stream(stream):
             for t, off in device_copies:
                 self._dest(t, off).copy_(t.detach(), non_blocking=True)
-                event = torch.cuda.Event()
+                t.record_stream(stream)  # the allocator must not hand this memory out before the copy has read it
+                event = torch.cuda.Event(blocking=True)  # the copier sleeps on it instead of spinning a core
                 event.record(stream)
                 self._cuda_events[off] = event
 
