@@ -111,7 +111,6 @@ class TrainState:
     step: int = 0
     tokens_seen: int = 0
     restarts: int = 0
-    checkpoint_seconds: float = 0.0
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
