@@ -141,9 +141,9 @@ def drive_time_limit(cluster, base: Path, corpus: str) -> dict:
     return {"job": job, "info": info}
 
 
-def drive_usr1(cluster, base: Path, corpus: str) -> dict:
+def drive_usr1(cluster, base: Path, corpus: str, name: str = "usr1", script_flags: tuple[str, ...] = ()) -> dict:
     """`scancel -s USR1` mid-run (the #SBATCH warning would come only after the run is over)."""
-    job = Job(cluster, base, "usr1", corpus, "--time=5", sleep=0.05)
+    job = Job(cluster, base, name, corpus, "--time=5", sleep=0.05, script_flags=script_flags)
     job.wait_rows(10, timeout=900)
     t0 = time.monotonic()
     cluster.scancel(job.id, signal="USR1")
@@ -195,6 +195,8 @@ SCENARIOS = {
     "test_scancel_usr1_saves_within_seconds_requeues_and_resumes_bit_exact": drive_usr1,
     "test_walltime_aware_stop_without_signal_loses_no_step": drive_walltime,
     "test_job_array_of_three_chained_tasks_reaches_the_target_step": drive_array,
+    "test_dcp_backend_from_the_submit_script_saves_requeues_and_resumes_latest_bit_exact":
+        lambda cluster, base, corpus: drive_usr1(cluster, base, corpus, "usr1-dcp", ("--use_torch_distributed_ckpt",)),
 }
 
 
@@ -346,3 +348,18 @@ def test_job_array_of_three_chained_tasks_reaches_the_target_step(campaign):
     assert loss_rows(job.csv) == loss_rows(reference / "loss.csv")
     cmp = check_weights(reference, job.run_dir, "--tolerance", "0", "--optimizer")
     assert cmp.returncode == 0 and "bitwise" in cmp.stdout, cmp.stdout + cmp.stderr
+
+
+def test_dcp_backend_from_the_submit_script_saves_requeues_and_resumes_latest_bit_exact(campaign):
+    """`sbatch submit-training-simple.sh --use_torch_distributed_ckpt`: every rank writes its DCP shard, the requeued
+    run resumes `latest` through DCP, and ends bitwise equal to the (vanilla-format) uninterrupted reference."""
+    r = campaign.result("test_dcp_backend_from_the_submit_script_saves_requeues_and_resumes_latest_bit_exact")
+    job, info = r["job"], r["info"]
+    out = job.output()
+    assert info.get("Restarts") == "1" and info.get("ExitCode") == "0:0", info
+    assert "--use-torch-distributed-ckpt" in out and "dcp backend" in out, out[-3000:]
+    first = out.split("requeued run (SLURM_RESTART_COUNT=1)", 1)[0]
+    step = assert_same_step_on_all_ranks(stop_steps(first), first)
+    shards = sorted(p.name for p in (job.run_dir / f"step-{STEPS:08d}").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"], shards
+    assert_resumed_and_finished(job, out, step, campaign.result("reference"), runs=2)
