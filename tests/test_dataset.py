@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import dataset  # noqa: E402
+import tokenizer  # noqa: E402
 from dataset import DataError, TokenWindows, TrainLoader, load_token_windows, load_tokenizer  # noqa: E402
 
 # sentencepiece's SWIG module triggers these on import under Python 3.11+; not ours to fix
@@ -121,8 +122,8 @@ def test_tokenizer_aliases_and_unknown_name():
     assert load_tokenizer(dataset.DEFAULT_TOKENIZER).name == dataset.DEFAULT_TOKENIZER == "mistral-sp-32k"
     assert load_tokenizer("O200K").name == "o200k_base"
     for alias in ("tekken", "Mistral_Tekken", "tekken-131k"):
-        assert dataset._canonical_tokenizer_name(alias) == "mistral-tekken"
-    assert dataset._canonical_tokenizer_name("gpt-4") == "cl100k_base"
+        assert tokenizer._canonical_tokenizer_name(alias) == "mistral-tekken"
+    assert tokenizer._canonical_tokenizer_name("gpt-4") == "cl100k_base"
     with pytest.raises(DataError) as e:
         load_tokenizer("no-such-tokenizer")
     msg = one_line(e)
