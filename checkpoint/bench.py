@@ -46,7 +46,8 @@ import numpy as np
 import torch
 
 from .backends import BACKENDS, RankInfo, make_backend
-from .backends.concurrent import ConcurrentBackend, plan_pieces
+from .backends.concurrent import ConcurrentBackend
+from .backends.torchzip import plan_pieces
 from .backends.vanilla import payload_pieces
 from .manager import CheckpointManager
 from .state import CheckpointState, ModelState, OptimizerState, RNGState, TrainState
@@ -486,7 +487,7 @@ def finish_overheads(runs: list[TrainRun]) -> None:
             if src is not None and src.overhead_est_pct == src.overhead_est_pct:
                 per_save = src.overhead_est_pct / 100 * src.extra["n_steps"] * src.extra["median_step_out"] / src.saves
                 r.overhead_est_pct = 100 * per_save / (r.every * src.extra["median_step_out"])
-                r.note = f"not run (time budget); est. projected from every 10"
+                r.note = "not run (time budget); est. projected from every 10"
 
 
 # --- report -------------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from checkpoint import layout  # noqa: E402
 from checkpoint.backends import RankInfo  # noqa: E402
 from checkpoint.backends import concurrent as cc  # noqa: E402
+from checkpoint.backends import torchzip  # noqa: E402
 from checkpoint.state import CheckpointState, ModelState, OptimizerState  # noqa: E402
 from model import Transformer, get_config  # noqa: E402
 
@@ -221,7 +222,7 @@ def test_files_are_torch_save_format(tmp_path, monkeypatch, zip64):
     """Every dtype, 0-dim, empty, non-contiguous and aliased tensors; loads with torch.load(weights_only=True), with
     mmap, and passes zipfile's CRC check; with zip64 records forced on (they are needed above 4 GiB)."""
     if zip64:
-        monkeypatch.setattr(cc, "_ZIP64_LIMIT", 1)
+        monkeypatch.setattr(torchzip, "_ZIP64_LIMIT", 1)
     state, expected = _mixed_state()
     backend = cc.ConcurrentBackend(RankInfo(), max_async=1, log=lambda m: None)
     files = backend.save(tmp_path, state).wait()
@@ -244,7 +245,7 @@ def test_crc32_of_suffix_matches_zlib():
     for prefix_len, suffix_len in [(0, 0), (0, 7), (5, 0), (1, 1), (100, 4096), (3, 65537)]:
         a, b = torch.randint(0, 256, (prefix_len,), dtype=torch.uint8), torch.randint(0, 256, (suffix_len,), dtype=torch.uint8)
         a, b = a.numpy().tobytes(), b.numpy().tobytes()
-        assert cc.crc32_of_suffix(zlib.crc32(a + b), zlib.crc32(a), len(b)) == zlib.crc32(b)
+        assert torchzip.crc32_of_suffix(zlib.crc32(a + b), zlib.crc32(a), len(b)) == zlib.crc32(b)
 
 
 def test_snapshot_is_the_state_at_save_even_though_optimizer_steps_right_after_wait_staged(tmp_path):

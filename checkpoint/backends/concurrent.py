@@ -18,9 +18,9 @@ so training blocks only (a) before ``optimizer.step()`` while the snapshot copy 
 are already persisting.
 
 Files: the same ``<key>.pt`` / ``rank-NNNNN.pt`` as vanilla, in torch.save's zip format (stored entries, 64-byte aligned
-data, data descriptors, zip64 when large), written by our own streaming writer so no byte is copied twice and no CRC is
-computed twice: the manifest's whole-file crc32 comes from fsio's ChecksumWriter, and each zip entry's crc32 is derived
-from it (crc32 "un-combine"). Tensors of one dtype in one file share one storage record (views at 64-byte aligned
+data, data descriptors, zip64 when large), written by our own streaming writer (torchzip.py) so no byte is copied
+twice and no CRC is computed twice: the manifest's whole-file crc32 comes from fsio's ChecksumWriter, and each zip
+entry's crc32 is derived from it (crc32 "un-combine"). Tensors of one dtype in one file share one storage record (views at 64-byte aligned
 offsets), which ``torch.load(weights_only=True)`` reads back as views. Loading goes through ``vanilla.load_pieces``.
 
 Writers are threads, not processes: every heavy step (memcpy, crc32, write, fsync) releases the GIL, and a process
@@ -36,253 +36,25 @@ PYRECOVER_TEST_PERSIST_DELAY_S=<seconds> which makes each payload file take that
 
 from __future__ import annotations
 
-import collections
-import io
 import os
-import pickle
-import struct
 import sys
 import threading
 import time
 import uuid
-import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
-from ..errors import CheckpointError
 from ..fsio import ChecksumWriter, atomic_write, fault_point, fsync_dir
 from ..state import CheckpointState
 from .base import Backend, PayloadHandle, RankInfo
+from .torchzip import ALIGN, TorchZipWriter, FilePlan, Plan, plan_pieces
 from .vanilla import load_pieces, payload_pieces
 
 MiB = 1 << 20
-ALIGN = 64  # torch.save's storage alignment: every tensor starts on a 64-byte boundary, in the file and in the buffer
 DEFAULT_CHUNK = 16 * MiB
-
-# --- CRC-32 arithmetic --------------------------------------------------------------------------------------------
-# zlib.crc32(A + B) == _crc_mul(_x_pow_8n(len(B)), crc32(A)) ^ crc32(B). The writer knows crc32 of the whole file
-# so far (ChecksumWriter.crc) before and after a zip entry's data, so the entry's own crc32 follows without a second
-# pass over the data. Polynomials are bit-reflected as in zlib (bit 31 is x^0).
-_CRC_POLY = 0xEDB88320
-
-
-def _crc_mul(a: int, b: int) -> int:
-    """a(x) * b(x) modulo the CRC-32 polynomial."""
-    product = 0
-    for bit in range(31, -1, -1):
-        if a & (1 << bit):
-            product ^= b
-        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
-    return product
-
-
-_X_POW_2K = [1 << 30]  # x^(2^k) mod P; x^1 is bit 30
-for _ in range(63):
-    _X_POW_2K.append(_crc_mul(_X_POW_2K[-1], _X_POW_2K[-1]))
-
-
-def _x_pow_8n(nbytes: int) -> int:
-    """x^(8 * nbytes) mod P."""
-    result, k, n = 1 << 31, 0, 8 * nbytes
-    while n:
-        if n & 1:
-            result = _crc_mul(_X_POW_2K[k], result)
-        n >>= 1
-        k += 1
-    return result
-
-
-def crc32_of_suffix(crc_all: int, crc_prefix: int, suffix_len: int) -> int:
-    """crc32(B) from crc32(A + B), crc32(A) and len(B)."""
-    return crc_all ^ _crc_mul(_x_pow_8n(suffix_len), crc_prefix)
-
-
-# --- torch.save's container, written as a stream --------------------------------------------------------------------
-_ZIP64_LIMIT = 0xFFFFFFFF  # tests lower this to run the zip64 records on small files
-_FLAGS = 0x0808  # bit 3: sizes and crc follow the data (data descriptor); bit 11: UTF-8 names — as torch.save writes
-
-
-class TorchZipWriter:
-    """The zip archive torch.save produces (``archive/data.pkl``, ``archive/data/<key>`` ...), written sequentially onto
-    a ChecksumWriter: stored (uncompressed) entries whose data start on 64-byte boundaries (an ``FB`` padding extra
-    field, like torch's), a data descriptor after each entry, zip64 records where sizes or offsets need them."""
-
-    def __init__(self, out: ChecksumWriter, archive: str = "archive"):
-        self.out = out
-        self.archive = archive
-        self.entries: list[tuple[bytes, int, int, int]] = []  # name, header offset, size, crc32
-
-    def begin(self, name: str) -> tuple[bytes, int, int, int]:
-        encoded = f"{self.archive}/{name}".encode()
-        offset = self.out.size
-        pad = -(offset + 30 + len(encoded) + 4) % ALIGN
-        extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad
-        self.out.write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, _FLAGS, 0, 0, 0, 0, 0, 0, len(encoded), len(extra))
-                       + encoded + extra)
-        return encoded, offset, self.out.crc, self.out.size
-
-    def end(self, begun: tuple[bytes, int, int, int], crc: int | None = None) -> None:
-        encoded, offset, crc_before, start = begun
-        size = self.out.size - start
-        if crc is None:
-            crc = crc32_of_suffix(self.out.crc, crc_before, size)
-        if size >= _ZIP64_LIMIT or offset >= _ZIP64_LIMIT:
-            self.out.write(struct.pack("<IIQQ", 0x08074B50, crc, size, size))
-        else:
-            self.out.write(struct.pack("<IIII", 0x08074B50, crc, size, size))
-        self.entries.append((encoded, offset, size, crc))
-
-    def add(self, name: str, data: bytes) -> None:
-        begun = self.begin(name)
-        self.out.write(data)
-        self.end(begun, zlib.crc32(data))
-
-    def close(self) -> None:
-        cd_offset = self.out.size
-        records = []
-        for encoded, offset, size, crc in self.entries:
-            sizes, header_offset, z64 = size, offset, []
-            if size >= _ZIP64_LIMIT:
-                sizes, z64 = 0xFFFFFFFF, [size, size]
-            if offset >= _ZIP64_LIMIT:
-                header_offset = 0xFFFFFFFF
-                z64.append(offset)
-            extra = struct.pack(f"<HH{len(z64)}Q", 1, 8 * len(z64), *z64) if z64 else b""
-            version = 45 if z64 else 20
-            records.append(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, version, version, _FLAGS, 0, 0, 0, crc, sizes,
-                                       sizes, len(encoded), len(extra), 0, 0, 0, 0, header_offset) + encoded + extra)
-        directory = b"".join(records)
-        self.out.write(directory)
-        n, cd_size = len(self.entries), len(directory)
-        if n >= 0xFFFF or cd_offset >= _ZIP64_LIMIT or cd_size >= _ZIP64_LIMIT:
-            eocd64 = self.out.size
-            self.out.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, cd_size, cd_offset))
-            self.out.write(struct.pack("<IIQI", 0x07064B50, 0, eocd64, 1))
-            self.out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0))
-        else:
-            self.out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, cd_size, cd_offset, 0))
-
-
-# --- planning: which bytes of which tensor go where -----------------------------------------------------------------
-_STORAGE_CLASS = {
-    torch.float64: "DoubleStorage", torch.float32: "FloatStorage", torch.float16: "HalfStorage",
-    torch.bfloat16: "BFloat16Storage", torch.int64: "LongStorage", torch.int32: "IntStorage",
-    torch.int16: "ShortStorage", torch.int8: "CharStorage", torch.uint8: "ByteStorage", torch.bool: "BoolStorage",
-    torch.complex64: "ComplexFloatStorage", torch.complex128: "ComplexDoubleStorage",
-}
-
-
-class _StorageRef:
-    """One zip data record: all tensors of one dtype in one file, as one storage. Pickled as torch's persistent id."""
-
-    __slots__ = ("key", "dtype", "offset", "nbytes")
-
-    def __init__(self, key: str, dtype: torch.dtype, offset: int):
-        self.key, self.dtype, self.offset, self.nbytes = key, dtype, offset, 0
-
-
-@dataclass
-class _FilePlan:
-    name: str
-    pickle: bytes = b""
-    records: list[_StorageRef] = field(default_factory=list)
-
-
-@dataclass
-class _Plan:
-    files: list[_FilePlan]
-    copies: list[tuple[torch.Tensor, int]]  # (source tensor, byte offset in the buffer set), ascending offsets
-    nbytes: int  # staged bytes (tensor bytes + alignment padding)
-    tensor_bytes: int
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for dim in reversed(shape):
-        stride.append(acc)
-        acc *= max(dim, 1)
-    return tuple(reversed(stride))
-
-
-class _Pickler(pickle.Pickler):
-    """Pickles a piece exactly the way torch.save does (protocol 2, ``_rebuild_tensor_v2`` over persistent storage ids),
-    except that each tensor is described by where it will be staged, not by its live storage. Only the description is
-    written here; tensor bytes are copied later by the copier."""
-
-    def __init__(self, file, place: Callable[[torch.Tensor], tuple[_StorageRef, int]]):
-        super().__init__(file, protocol=2)
-        self._place = place
-
-    def reducer_override(self, obj):
-        if isinstance(obj, torch.Tensor):
-            ref, element_offset = self._place(obj)
-            return (torch._utils._rebuild_tensor_v2,
-                    (ref, element_offset, tuple(obj.shape), _contiguous_stride(obj.shape), False, collections.OrderedDict()))
-        return NotImplemented
-
-    def persistent_id(self, obj):
-        if type(obj) is _StorageRef:
-            numel = obj.nbytes // obj.dtype.itemsize
-            return ("storage", getattr(torch, _STORAGE_CLASS[obj.dtype]), obj.key, "cpu", numel)
-        return None
-
-
-def _alias_key(t: torch.Tensor) -> tuple:
-    return (t.untyped_storage().data_ptr(), t.device, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-
-
-def _check_stageable(t: torch.Tensor, where: str) -> None:
-    if t.layout != torch.strided or t.dtype not in _STORAGE_CLASS or type(t) not in (torch.Tensor, torch.nn.Parameter):
-        raise CheckpointError(f"the concurrent backend cannot stage a {type(t).__name__} ({t.dtype}, {t.layout}) in {where}; "
-                        "use --checkpoint-backend vanilla for this state")
-
-
-def plan_pieces(pieces: dict[str, dict]) -> _Plan:
-    """Lay every tensor of ``pieces`` out in one buffer (file by file, dtype record by record, 64-byte aligned) and
-    pickle each file's structure. Python values (step counters, learning rates, ...) are captured here, at save time;
-    tensor bytes are not read."""
-    files, copies, cursor = [], [], 0
-    for name, obj in pieces.items():
-        records: dict[torch.dtype, _StorageRef] = {}
-        slots: dict[tuple, tuple[_StorageRef, int, torch.Tensor]] = {}  # alias -> (record, byte offset in it, tensor)
-
-        def place(t: torch.Tensor) -> tuple[_StorageRef, int]:
-            key = _alias_key(t)
-            if key not in slots:  # memory seen twice (e.g. tied weights) is staged and stored once, as torch.save does
-                _check_stageable(t, name)
-                if t.dtype not in records:
-                    records[t.dtype] = _StorageRef(str(len(records)), t.dtype, 0)
-                ref = records[t.dtype]
-                start = _align(ref.nbytes)
-                ref.nbytes = start + t.numel() * t.element_size()
-                slots[key] = (ref, start, t)
-            ref, start, _ = slots[key]
-            return ref, start // t.element_size()
-
-        _Pickler(_NullSink(), place).dump(obj)  # pass 1: find the tensors and size the records
-        for ref in records.values():
-            ref.offset = cursor = _align(cursor)
-            cursor += ref.nbytes
-        copies += [(t, ref.offset + start) for ref, start, t in slots.values()]
-        data = io.BytesIO()
-        _Pickler(data, place).dump(obj)  # pass 2: same placement, final record sizes in the storage ids
-        files.append(_FilePlan(name, data.getvalue(), list(records.values())))
-    copies.sort(key=lambda c: c[1])
-    tensor_bytes = sum(t.numel() * t.element_size() for t, _ in copies)
-    return _Plan(files, copies, _align(cursor), tensor_bytes)
-
-
-class _NullSink:
-    def write(self, data) -> int:
-        return len(data)
 
 
 # --- the buffer pool ------------------------------------------------------------------------------------------------
@@ -342,7 +114,7 @@ class BufferPool:
 
 # --- one save in flight ---------------------------------------------------------------------------------------------
 class _Snapshot(PayloadHandle):
-    def __init__(self, backend: "ConcurrentBackend", step_dir: Path, plan: _Plan, buf: BufferSet):
+    def __init__(self, backend: "ConcurrentBackend", step_dir: Path, plan: Plan, buf: BufferSet):
         self.backend = backend
         self.step_dir = step_dir
         self.plan = plan
@@ -446,7 +218,7 @@ class _Snapshot(PayloadHandle):
             self._copier.join()  # never hand the buffer to the next save while this one still copies into it
             self.backend._finished(self)
 
-    def _fill(self, out: ChecksumWriter, fp: _FilePlan, path: Path) -> None:
+    def _fill(self, out: ChecksumWriter, fp: FilePlan, path: Path) -> None:
         chunk = self.backend.chunk
         view = memoryview(self.buf.array)
         zw = TorchZipWriter(out)
