@@ -32,6 +32,7 @@ from checkpoint.backends.dcp import DCPModelState, DCPOptimizerState
 from checkpoint.fsio import fsync_dir
 from checkpoint import jit as checkpoint_jit
 from checkpoint import policy as stop_policy
+from checkpoint.walltime import parse_walltime
 from dataset import DEFAULT_TOKENIZER, DataError, TrainLoader, load_token_windows, load_tokenizer
 from model import PRESETS, Transformer, flash_attention_problem, get_config
 
@@ -62,7 +63,7 @@ def _signal_flag(text: str) -> str:
 
 def _walltime_flag(text: str) -> float:
     try:
-        return stop_policy.parse_walltime(text)
+        return parse_walltime(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PY, ROOT, TINY, check_weights, env_for_tests, loss_rows, torchrun_cmd
+from helpers import ROOT, TINY, check_weights, env_for_tests, loss_rows, torchrun_cmd
 
 sys.path.insert(0, str(ROOT))
 from checkpoint import policy, slurm  # noqa: E402
-from checkpoint.policy import (INTERVAL, NONE, SIGNAL, TERM, WALLTIME, DeadlineReader, IntervalPolicy,  # noqa: E402
-                               RequeueSettings, SignalWatcher, StepBoundary, WallClockInterval, WalltimePolicy)
+from checkpoint.policy import (INTERVAL, SIGNAL, TERM, WALLTIME, IntervalPolicy, RequeueSettings,  # noqa: E402
+                               SignalWatcher, StepBoundary, WallClockInterval)
+from checkpoint.walltime import DeadlineReader, WalltimePolicy, parse_walltime  # noqa: E402
 
 
 class FakeClock:
@@ -67,14 +68,14 @@ def test_parse_signal_and_walltime():
     for bad in ("FOO", "KILL", "999"):
         with pytest.raises(ValueError):
             policy.parse_signal(bad)
-    assert policy.parse_walltime("90") == 90 * 60  # SLURM: a bare number is minutes
-    assert policy.parse_walltime("1:30") == 90
-    assert policy.parse_walltime("01:02:03") == 3723
-    assert policy.parse_walltime("2-00") == 2 * 86400
-    assert policy.parse_walltime("1-01:00:05") == 86400 + 3600 + 5
+    assert parse_walltime("90") == 90 * 60  # SLURM: a bare number is minutes
+    assert parse_walltime("1:30") == 90
+    assert parse_walltime("01:02:03") == 3723
+    assert parse_walltime("2-00") == 2 * 86400
+    assert parse_walltime("1-01:00:05") == 86400 + 3600 + 5
     for bad in ("", "0", "1:2:3:4", "x", "-5"):
         with pytest.raises(ValueError):
-            policy.parse_walltime(bad)
+            parse_walltime(bad)
 
 
 def test_squeue_end_time_is_parsed_as_utc():
