@@ -94,6 +94,9 @@ class CheckpointManager:
         except OSError as e:
             self._abandon(step_dir, e)
             raise self._io_error(step, e) from None
+        except CheckpointError as e:
+            self._abandon(step_dir, e)
+            raise
         record = SaveRecord(step, blocking_s=time.perf_counter() - t0)
 
         def finish() -> None:
@@ -108,6 +111,9 @@ class CheckpointManager:
             except OSError as e:
                 self._abandon(step_dir, e)
                 raise self._io_error(step, e) from None
+            except CheckpointError as e:
+                self._abandon(step_dir, e)
+                raise
             record.durable_s = time.perf_counter() - t0
             self._log_save(record)
             if self.rank.is_main:
@@ -135,7 +141,7 @@ class CheckpointManager:
             storage.rmtree(trash)
         step_dir.mkdir(parents=True)
 
-    def _abandon(self, step_dir: Path, e: OSError) -> None:
+    def _abandon(self, step_dir: Path, e: OSError | CheckpointError) -> None:
         """A save failed on this rank. Rank 0 removes the uncommitted folder (a full disk gets its space back for the next
         attempt); another rank leaves a failure record so rank 0 stops waiting for its part at once. Best effort."""
         try:
@@ -143,7 +149,7 @@ class CheckpointManager:
                 if not (step_dir / layout.COMMITTED).exists():
                     storage.rmtree(step_dir)
             else:
-                layout.write_part_record(step_dir, self.rank.rank, {}, run_id=self.run_id, error=str(e.strerror or e))
+                layout.write_part_record(step_dir, self.rank.rank, {}, run_id=self.run_id, error=str(getattr(e, "strerror", None) or e))
         except OSError:
             pass
 

@@ -151,7 +151,14 @@ class _ChecksumFS:
             fault_point("dcp_write_file", path)  # test-only hook (fsio.py): kill or fail inside a DCP save
             with self._fs.create_stream(path, mode) as raw:
                 stream = _RecordingStream(raw)
-                yield stream
+                try:
+                    yield stream
+                except Exception:
+                    # torch.save inside DCP masks a failed write (ENOSPC) as "RuntimeError: unexpected pos";
+                    # re-raise the I/O error itself so the manager can say "no space left on device".
+                    if stream.error is not None:
+                        raise stream.error from None
+                    raise
             self.records[os.path.basename(str(path))] = {"size": stream.size, CHECKSUM_ALGORITHM: f"{stream.crc:08x}"}
 
         return recording()
