@@ -22,7 +22,7 @@ import torch
 from helpers import ROOT, TINY, check_weights, loss_rows, run_torchrun, run_train
 
 sys.path.insert(0, str(ROOT))
-from checkpoint import layout  # noqa: E402
+from checkpoint import fsio, layout  # noqa: E402
 from checkpoint.backends import RankInfo  # noqa: E402
 from checkpoint.backends import concurrent as cc  # noqa: E402
 from checkpoint.backends import torchzip  # noqa: E402
@@ -241,11 +241,19 @@ def test_files_are_torch_save_format(tmp_path, monkeypatch, zip64):
     assert loaded["w"].data_ptr() == loaded["tied"].data_ptr()  # aliases stay aliases, stored once
 
 
-def test_crc32_of_suffix_matches_zlib():
+def test_crc32_arithmetic_matches_zlib(tmp_path):
     for prefix_len, suffix_len in [(0, 0), (0, 7), (5, 0), (1, 1), (100, 4096), (3, 65537)]:
         a, b = torch.randint(0, 256, (prefix_len,), dtype=torch.uint8), torch.randint(0, 256, (suffix_len,), dtype=torch.uint8)
         a, b = a.numpy().tobytes(), b.numpy().tobytes()
-        assert torchzip.crc32_of_suffix(zlib.crc32(a + b), zlib.crc32(a), len(b)) == zlib.crc32(b)
+        assert fsio.crc32_of_suffix(zlib.crc32(a + b), zlib.crc32(a), len(b)) == zlib.crc32(b)
+        assert fsio.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    # A writer fed precomputed chunk checksums, with writeback hints every 1 KiB, records the same crc32 as zlib.
+    data = torch.randint(0, 256, (10_000,), dtype=torch.uint8).numpy().tobytes()
+    with open(tmp_path / "f", "wb") as raw:
+        w = fsio.ChecksumWriter(raw, write_behind=1024)
+        for i in range(0, len(data), 777):
+            w.write(data[i:i + 777], zlib.crc32(data[i:i + 777]) if i % 2 else None)
+    assert (w.size, w.crc) == (len(data), zlib.crc32(data)) and (tmp_path / "f").read_bytes() == data
 
 
 def test_snapshot_is_the_state_at_save_even_though_optimizer_steps_right_after_wait_staged(tmp_path):

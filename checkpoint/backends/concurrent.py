@@ -1,16 +1,18 @@
 """`concurrent`: snapshot the state into reusable host buffers, persist it in the background (CheckFreq / PCcheck style).
 
     save()        plans the files (pickles the small Python parts NOW), takes a free buffer set from the pool and starts
-                  two threads; returns in milliseconds.
+                  three threads; returns in milliseconds.
     copier        copies every tensor into the buffer set, in file order, in chunks (pinned host memory + a side
                   stream on CUDA). It runs while forward/backward of the next step runs: the model parameters and the
                   AdamW moments/step counts only change inside ``optimizer.step()``, and train.py calls
                   ``manager.wait_staged()`` right before that, so the copy is consistent. (state_dict() tensors alias
                   the live parameters and optimizer state; tests/test_concurrent.py checks both facts.)
-    writer        streams each file to disk chunk by chunk as soon as the copier has filled that chunk (chunk i is
-                  written while chunk i+1 is copied), through ``fsio.atomic_write`` (tmp name, fsync, rename), then
-                  fsyncs the folder and returns the file records; the manager then writes the part record and rank 0
-                  commits, exactly as for every other backend.
+    checksum      computes the crc32 of each data chunk as soon as the copier has filled it, one chunk ahead of the
+                  writer, so checksumming and writing overlap instead of adding up.
+    writer        streams each file to disk chunk by chunk as soon as that chunk has its crc32 (chunk i is written
+                  while chunk i+1 is checksummed and i+2 copied), through ``fsio.atomic_write`` (tmp name, writeback
+                  started as it goes, fsync, rename), then fsyncs the folder and returns the file records; the
+                  manager then writes the part record and rank 0 commits, exactly as for every other backend.
 
 Memory: ``max_async`` (N) buffer sets, each allocated once (lazily, when N saves are first in flight at once) and reused;
 host memory is at most N x the staged state size and is reported. The manager never lets more than N saves be in flight,
@@ -41,8 +43,9 @@ import sys
 import threading
 import time
 import uuid
+import zlib
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -121,7 +124,10 @@ class _Snapshot(PayloadHandle):
         self.buf = buf
         self.copied = 0  # bytes of the buffer set that hold their final value (monotonic, in buffer order)
         self.copy_error: BaseException | None = None
+        self.checksum_error: BaseException | None = None
         self.write_error: BaseException | None = None
+        self.chunk_crcs: dict[int, int] = {}  # buffer offset of a data chunk -> its crc32, until the writer takes it
+        self._stop_checksums = False  # the writer failed: the checksum thread stops reading the buffer
         self.files: dict[str, dict] = {}
         self._written = 0
         self._halfway_hit = False
@@ -132,8 +138,10 @@ class _Snapshot(PayloadHandle):
         self._cuda_events: dict[int, torch.cuda.Event] = {}
         self._enqueue_device_copies()
         self._copier = threading.Thread(target=self._copy, name=f"ckpt-copy-{step_dir.name}", daemon=True)
+        self._checksummer = threading.Thread(target=self._checksum, name=f"ckpt-crc-{step_dir.name}", daemon=True)
         self._writer = threading.Thread(target=self._write, name=f"ckpt-write-{step_dir.name}", daemon=True)
         self._copier.start()
+        self._checksummer.start()
         self._writer.start()
 
     # copy -----------------------------------------------------------------------------------------------------------
@@ -195,13 +203,52 @@ class _Snapshot(PayloadHandle):
             if self.copy_error is not None:
                 raise self.copy_error
 
+    # checksum -------------------------------------------------------------------------------------------------------
+    def _data_chunks(self) -> Iterator[tuple[int, int]]:
+        """[start, end) in the buffer of every data chunk the writer writes, in writing order (record by record, at
+        most ``chunk`` bytes): the checksum thread and the writer walk this same sequence."""
+        chunk = self.backend.chunk
+        for fp in self.plan.files:
+            for ref in fp.records:
+                end = ref.offset + ref.nbytes
+                for a in range(ref.offset, end, chunk):
+                    yield a, min(a + chunk, end)
+
+    def _checksum(self) -> None:
+        self._lower_priority()
+        view = memoryview(self.buf.array)
+        try:
+            for a, b in self._data_chunks():
+                self._wait_copied(b)
+                if self._stop_checksums:
+                    return
+                crc = zlib.crc32(view[a:b])  # releases the GIL
+                with self._cond:
+                    self.chunk_crcs[a] = crc
+                    self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - the writer re-raises it
+            with self._cond:
+                self.checksum_error = e
+                self._cond.notify_all()
+
+    def _wait_checksum(self, start: int) -> int:
+        with self._cond:
+            while start not in self.chunk_crcs and self.checksum_error is None:
+                self._cond.wait()
+            if start not in self.chunk_crcs:
+                raise self.checksum_error
+            return self.chunk_crcs.pop(start)
+
     # write ----------------------------------------------------------------------------------------------------------
-    def _write(self) -> None:
+    def _lower_priority(self) -> None:
         if self.backend.writer_nice:
             try:  # Linux: a thread is a task with its own nice value; the training threads keep the CPU first
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.backend.writer_nice)
             except (AttributeError, OSError):
                 pass
+
+    def _write(self) -> None:
+        self._lower_priority()
         try:
             fault_point("concurrent_persist_begin", self.step_dir)
             if not self.backend.pipeline:
@@ -214,8 +261,11 @@ class _Snapshot(PayloadHandle):
             self.durable_s = time.perf_counter() - self._t0
         except BaseException as e:  # noqa: BLE001 - re-raised in the training process by wait()
             self.write_error = e
+            self._stop_checksums = True
         finally:
-            self._copier.join()  # never hand the buffer to the next save while this one still copies into it
+            # Never hand the buffer to the next save while this one still copies into it or checksums it.
+            self._copier.join()
+            self._checksummer.join()
             self.backend._finished(self)
 
     def _fill(self, out: ChecksumWriter, fp: FilePlan, path: Path) -> None:
@@ -229,14 +279,14 @@ class _Snapshot(PayloadHandle):
         for ref in fp.records:
             begun = zw.begin(f"data/{ref.key}")
             end = ref.offset + ref.nbytes
-            for a in range(ref.offset, end, chunk):
+            for a in range(ref.offset, end, chunk):  # the same chunks as _data_chunks()
                 b = min(a + chunk, end)
-                self._wait_copied(b)
+                crc = self._wait_checksum(a)
                 fault_point("concurrent_write_chunk", path)
                 if not self._halfway_hit and self._written + (b - a) >= self.plan.tensor_bytes // 2:
                     self._halfway_hit = True  # once per save: a crash in the middle of a background persist
                     fault_point("concurrent_persist_half", path)
-                out.write(view[a:b])
+                out.write(view[a:b], crc)
                 self._written += b - a
             zw.end(begun)
         zw.add("version", b"3\n")

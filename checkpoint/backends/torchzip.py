@@ -22,47 +22,9 @@ from typing import Callable
 import torch
 
 from ..errors import CheckpointError
-from ..fsio import ChecksumWriter
+from ..fsio import ChecksumWriter, crc32_of_suffix
 
 ALIGN = 64  # torch.save's storage alignment: every tensor starts on a 64-byte boundary, in the file and in the buffer
-
-# --- CRC-32 arithmetic --------------------------------------------------------------------------------------------
-# zlib.crc32(A + B) == _crc_mul(_x_pow_8n(len(B)), crc32(A)) ^ crc32(B). The writer knows crc32 of the whole file
-# so far (ChecksumWriter.crc) before and after a zip entry's data, so the entry's own crc32 follows without a second
-# pass over the data. Polynomials are bit-reflected as in zlib (bit 31 is x^0).
-_CRC_POLY = 0xEDB88320
-
-
-def _crc_mul(a: int, b: int) -> int:
-    """a(x) * b(x) modulo the CRC-32 polynomial."""
-    product = 0
-    for bit in range(31, -1, -1):
-        if a & (1 << bit):
-            product ^= b
-        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
-    return product
-
-
-_X_POW_2K = [1 << 30]  # x^(2^k) mod P; x^1 is bit 30
-for _ in range(63):
-    _X_POW_2K.append(_crc_mul(_X_POW_2K[-1], _X_POW_2K[-1]))
-
-
-def _x_pow_8n(nbytes: int) -> int:
-    """x^(8 * nbytes) mod P."""
-    result, k, n = 1 << 31, 0, 8 * nbytes
-    while n:
-        if n & 1:
-            result = _crc_mul(_X_POW_2K[k], result)
-        n >>= 1
-        k += 1
-    return result
-
-
-def crc32_of_suffix(crc_all: int, crc_prefix: int, suffix_len: int) -> int:
-    """crc32(B) from crc32(A + B), crc32(A) and len(B)."""
-    return crc_all ^ _crc_mul(_x_pow_8n(suffix_len), crc_prefix)
-
 
 # --- torch.save's container, written as a stream --------------------------------------------------------------------
 _ZIP64_LIMIT = 0xFFFFFFFF  # tests lower this to run the zip64 records on small files
