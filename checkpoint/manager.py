@@ -91,12 +91,8 @@ class CheckpointManager:
             dist.barrier()  # no rank writes into the folder before rank 0 has prepared it
         try:
             payload = self.backend.save(step_dir, state)
-        except OSError as e:
-            self._abandon(step_dir, e)
-            raise self._io_error(step, e) from None
-        except CheckpointError as e:
-            self._abandon(step_dir, e)
-            raise
+        except (OSError, CheckpointError) as e:
+            raise self._save_failed(step, step_dir, e) from None
         record = SaveRecord(step, blocking_s=time.perf_counter() - t0)
 
         def finish() -> None:
@@ -108,12 +104,8 @@ class CheckpointManager:
                     parts = layout.wait_for_part_records(step_dir, self.rank.world_size, self.commit_timeout_s, self.run_id)
                     layout.commit(step_dir, step, self.rank.world_size, self.backend.name, parts)
                     record.bytes = sum(r["size"] for p in parts for r in p["files"].values())
-            except OSError as e:
-                self._abandon(step_dir, e)
-                raise self._io_error(step, e) from None
-            except CheckpointError as e:
-                self._abandon(step_dir, e)
-                raise
+            except (OSError, CheckpointError) as e:
+                raise self._save_failed(step, step_dir, e) from None
             record.durable_s = time.perf_counter() - t0
             self._log_save(record)
             if self.rank.is_main:
@@ -140,6 +132,11 @@ class CheckpointManager:
             step_dir.rename(trash)
             storage.rmtree(trash)
         step_dir.mkdir(parents=True)
+
+    def _save_failed(self, step: int, step_dir: Path, e: OSError | CheckpointError) -> CheckpointError:
+        """Clean up after a failed save; the one-line error to raise."""
+        self._abandon(step_dir, e)
+        return self._io_error(step, e) if isinstance(e, OSError) else e
 
     def _abandon(self, step_dir: Path, e: OSError | CheckpointError) -> None:
         """A save failed on this rank. Rank 0 removes the uncommitted folder (a full disk gets its space back for the next
