@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make train      set up .venv, build the embedded dataset, train the 'small' preset ($(STEPS) steps, checkpoints)"
 	@echo "make test       the full test suite (pytest; real CLI, torchrun/gloo, SLURM and S3 where available)"
-	@echo "make faults K=N fault injection: K kill/resume trials in total over backends x 1,2 ranks (+ JIT)"
+	@echo "make faults K=N fault injection: K kill/resume trials in total over backends x 1,2 ranks (+ JIT); ARGS=\"--seed S --json F\""
 	@echo "make bench      checkpoint benchmark: markdown table + PNG in results/"
 
 $(VENV)/.installed: pyproject.toml
@@ -50,7 +50,7 @@ test-fast: $(DATA)
 	$(PY) -m pytest -m "not slurm and not s3" $(PYTEST_ARGS)
 
 faults: $(DATA)
-	$(PY) -m tests.faults --trials $(K)
+	$(PY) -m tests.faults --trials $(K) $(ARGS)
 
 bench: $(DATA)
 	$(PY) -m checkpoint.bench
