@@ -171,18 +171,24 @@ def atomic_file(path: Path, *, fsync_parent: bool = True) -> Iterator[BinaryIO]:
         fsync_dir(path.parent)
 
 
+@contextlib.contextmanager
+def real_io_errors(writer: ChecksumWriter) -> Iterator[ChecksumWriter]:
+    """Re-raise the writer's own I/O error instead of what a caller turned it into: torch.save reports a failed write
+    (e.g. ENOSPC) as "RuntimeError: unexpected pos" from its zip writer's __exit__, so callers could not say "disk
+    full" in one line."""
+    try:
+        yield writer
+    except Exception as e:
+        if writer.error is not None and e is not writer.error:
+            raise writer.error from None
+        raise
+
+
 def atomic_write(path: Path, fill: Callable[[ChecksumWriter], None], *, fsync_parent: bool = True) -> dict:
     """Write ``path`` atomically via ``fill(writer)``; return ``{"size", "crc32"}`` of the bytes written."""
     with atomic_file(path, fsync_parent=fsync_parent) as raw:
-        writer = ChecksumWriter(raw, write_behind=WRITE_BEHIND)
-        try:
+        with real_io_errors(ChecksumWriter(raw, write_behind=WRITE_BEHIND)) as writer:
             fill(writer)
-        except Exception as e:
-            # torch.save reports a failed write (e.g. ENOSPC) as "RuntimeError: unexpected pos" from its zip
-            # writer's __exit__; surface the real I/O error so callers can say "disk full" in one line.
-            if writer.error is not None and e is not writer.error:
-                raise writer.error from None
-            raise
     return {"size": writer.size, CHECKSUM_ALGORITHM: f"{writer.crc:08x}"}
 
 

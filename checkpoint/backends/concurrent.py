@@ -22,8 +22,8 @@ are already persisting.
 Files: the same ``<key>.pt`` / ``rank-NNNNN.pt`` as vanilla, in torch.save's zip format (stored entries, 64-byte aligned
 data, data descriptors, zip64 when large), written by our own streaming writer (torchzip.py) so no byte is copied
 twice and no CRC is computed twice: the manifest's whole-file crc32 comes from fsio's ChecksumWriter, and each zip
-entry's crc32 is derived from it (crc32 "un-combine"). Tensors of one dtype in one file share one storage record (views at 64-byte aligned
-offsets), which ``torch.load(weights_only=True)`` reads back as views. Loading goes through ``vanilla.load_pieces``.
+entry's crc32 is derived from it (crc32 "un-combine"). Tensors of one dtype in one file share one storage record
+(views at 64-byte aligned offsets), which ``torch.load(weights_only=True)`` reads back as views. Loading goes through ``vanilla.load_pieces``.
 
 Writers are threads, not processes: every heavy step (memcpy, crc32, write, fsync) releases the GIL, and a process
 would need the state in shared memory plus its own cleanup on SIGKILL (an orphaned writer must never write into a
@@ -53,7 +53,7 @@ import torch
 from ..fsio import ChecksumWriter, atomic_write, fault_point, fsync_dir
 from ..state import CheckpointState
 from .base import Backend, PayloadHandle, RankInfo
-from .torchzip import ALIGN, TorchZipWriter, FilePlan, Plan, plan_pieces
+from .torchzip import ALIGN, FilePlan, Plan, StorageRef, TorchZipWriter, plan_pieces
 from .vanilla import load_pieces, payload_pieces
 
 MiB = 1 << 20
@@ -204,15 +204,17 @@ class _Snapshot(PayloadHandle):
                 raise self.copy_error
 
     # checksum -------------------------------------------------------------------------------------------------------
+    def _record_chunks(self, ref: StorageRef) -> Iterator[tuple[int, int]]:
+        """[start, end) in the buffer of each data chunk (at most ``chunk`` bytes) of one zip record. The checksum
+        thread and the writer both walk the records through this, so they agree on every chunk boundary."""
+        end = ref.offset + ref.nbytes
+        for a in range(ref.offset, end, self.backend.chunk):
+            yield a, min(a + self.backend.chunk, end)
+
     def _data_chunks(self) -> Iterator[tuple[int, int]]:
-        """[start, end) in the buffer of every data chunk the writer writes, in writing order (record by record, at
-        most ``chunk`` bytes): the checksum thread and the writer walk this same sequence."""
-        chunk = self.backend.chunk
         for fp in self.plan.files:
             for ref in fp.records:
-                end = ref.offset + ref.nbytes
-                for a in range(ref.offset, end, chunk):
-                    yield a, min(a + chunk, end)
+                yield from self._record_chunks(ref)
 
     def _checksum(self) -> None:
         self._lower_priority()
@@ -269,7 +271,6 @@ class _Snapshot(PayloadHandle):
             self.backend._finished(self)
 
     def _fill(self, out: ChecksumWriter, fp: FilePlan, path: Path) -> None:
-        chunk = self.backend.chunk
         view = memoryview(self.buf.array)
         zw = TorchZipWriter(out)
         zw.add("data.pkl", fp.pickle)
@@ -278,9 +279,7 @@ class _Snapshot(PayloadHandle):
         zw.add("byteorder", sys.byteorder.encode())
         for ref in fp.records:
             begun = zw.begin(f"data/{ref.key}")
-            end = ref.offset + ref.nbytes
-            for a in range(ref.offset, end, chunk):  # the same chunks as _data_chunks()
-                b = min(a + chunk, end)
+            for a, b in self._record_chunks(ref):
                 crc = self._wait_checksum(a)
                 fault_point("concurrent_write_chunk", path)
                 if not self._halfway_hit and self._written + (b - a) >= self.plan.tensor_bytes // 2:

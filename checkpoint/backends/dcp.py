@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import storage
 from ..errors import CheckpointError
-from ..fsio import CHECKSUM_ALGORITHM, ChecksumWriter, fault_point
+from ..fsio import CHECKSUM_ALGORITHM, ChecksumWriter, fault_point, real_io_errors
 from ..state import CheckpointState, ModelState, OptimizerState, check_compatible
 from .base import Backend, CompletedPayload, PayloadHandle, RankInfo
 from .vanilla import load_pieces, payload_pieces, save_pieces
@@ -149,16 +149,8 @@ class _ChecksumFS:
         @contextlib.contextmanager
         def recording():
             fault_point("dcp_write_file", path)  # test-only hook (fsio.py): kill or fail inside a DCP save
-            with self._fs.create_stream(path, mode) as raw:
-                stream = _RecordingStream(raw)
-                try:
-                    yield stream
-                except Exception:
-                    # torch.save inside DCP masks a failed write (ENOSPC) as "RuntimeError: unexpected pos";
-                    # re-raise the I/O error itself so the manager can say "no space left on device".
-                    if stream.error is not None:
-                        raise stream.error from None
-                    raise
+            with self._fs.create_stream(path, mode) as raw, real_io_errors(_RecordingStream(raw)) as stream:
+                yield stream  # DCP's torch.save would mask ENOSPC; real_io_errors re-raises it
             self.records[os.path.basename(str(path))] = {"size": stream.size, CHECKSUM_ALGORITHM: f"{stream.crc:08x}"}
 
         return recording()

@@ -101,7 +101,7 @@ _STORAGE_CLASS = {
 }
 
 
-class _StorageRef:
+class StorageRef:
     """One zip data record: all tensors of one dtype in one file, as one storage. Pickled as torch's persistent id."""
 
     __slots__ = ("key", "dtype", "offset", "nbytes")
@@ -114,7 +114,7 @@ class _StorageRef:
 class FilePlan:
     name: str
     pickle: bytes = b""
-    records: list[_StorageRef] = field(default_factory=list)
+    records: list[StorageRef] = field(default_factory=list)
 
 
 @dataclass
@@ -142,7 +142,7 @@ class _Pickler(pickle.Pickler):
     except that each tensor is described by where it will be staged, not by its live storage. Only the description is
     written here; tensor bytes are copied later by the copier."""
 
-    def __init__(self, file, place: Callable[[torch.Tensor], tuple[_StorageRef, int]]):
+    def __init__(self, file, place: Callable[[torch.Tensor], tuple[StorageRef, int]]):
         super().__init__(file, protocol=2)
         self._place = place
 
@@ -154,7 +154,7 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
     def persistent_id(self, obj):
-        if type(obj) is _StorageRef:
+        if type(obj) is StorageRef:
             numel = obj.nbytes // obj.dtype.itemsize
             return ("storage", getattr(torch, _STORAGE_CLASS[obj.dtype]), obj.key, "cpu", numel)
         return None
@@ -176,15 +176,15 @@ def plan_pieces(pieces: dict[str, dict]) -> Plan:
     tensor bytes are not read."""
     files, copies, cursor = [], [], 0
     for name, obj in pieces.items():
-        records: dict[torch.dtype, _StorageRef] = {}
-        slots: dict[tuple, tuple[_StorageRef, int, torch.Tensor]] = {}  # alias -> (record, byte offset in it, tensor)
+        records: dict[torch.dtype, StorageRef] = {}
+        slots: dict[tuple, tuple[StorageRef, int, torch.Tensor]] = {}  # alias -> (record, byte offset in it, tensor)
 
-        def place(t: torch.Tensor) -> tuple[_StorageRef, int]:
+        def place(t: torch.Tensor) -> tuple[StorageRef, int]:
             key = _alias_key(t)
             if key not in slots:  # memory seen twice (e.g. tied weights) is staged and stored once, as torch.save does
                 _check_stageable(t, name)
                 if t.dtype not in records:
-                    records[t.dtype] = _StorageRef(str(len(records)), t.dtype, 0)
+                    records[t.dtype] = StorageRef(str(len(records)), t.dtype, 0)
                 ref = records[t.dtype]
                 start = _align(ref.nbytes)
                 ref.nbytes = start + t.numel() * t.element_size()
