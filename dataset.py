@@ -98,7 +98,8 @@ _CHUNK_CHARS = 4_000_000  # text handed to the tokenizer per call: bounds memory
 
 
 def _log(msg: str) -> None:
-    print(f"[dataset] {msg}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"[dataset] {msg}\n")  # one write: ranks share the pipe (see train.say)
+    sys.stderr.flush()
 
 
 def _open_parquet(path: Path):

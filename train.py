@@ -177,6 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def say(line: str) -> None:
+    """One line to stderr in one write(): ranks share the pipe, and print() under PYTHONUNBUFFERED writes the text and
+    its newline separately, so two ranks' lines could interleave into one."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def log0(env: distributed.DistEnv, msg: str) -> None:
     if env.is_main:
         print(msg, flush=True)
@@ -295,8 +302,7 @@ def on_save_error(args: argparse.Namespace, error: CheckpointError, step: int) -
     """--on-save-error: `stop` re-raises (one line, exit 1); `continue` warns and returns the step it happened at."""
     if args.on_save_error == "stop":
         raise error
-    print(f"warning: {error}; training continues (--on-save-error continue), the next save retries", file=sys.stderr,
-          flush=True)
+    say(f"warning: {error}; training continues (--on-save-error continue), the next save retries")
     return step
 
 
@@ -337,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         error = e
     if agree_on_failure(env, error is not None):
         if error is not None:
-            print(f"error: {error}" if env.is_main else f"error (rank {env.rank}): {error}", file=sys.stderr, flush=True)
+            say(f"error: {error}" if env.is_main else f"error (rank {env.rank}): {error}")
         return EXIT_BAD_INPUT
 
     # --- model, optimizer, schedule, data ------------------------------------------------------------------------
@@ -381,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             resumed_step = manager.load(args.resume_from_checkpoint, state)
         except (CheckpointError, DataError) as e:  # DataError: e.g. resharded to a global batch the position does not fit
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            say(f"error: {e}")
             return EXIT_BAD_INPUT
         if resumed_step is None:
             log0(env, f"no checkpoint found in {run_root}; starting fresh from step 0")
@@ -512,8 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         save_failed_at = on_save_error(args, e, train.step)
     if save_failed_at is not None and save_failed_at >= (saved_at or 0):
-        print(f"error: training reached step {train.step} but its final checkpoint could not be saved (save failed "
-              f"at step {save_failed_at}); resume from `latest` repeats the steps since", file=sys.stderr, flush=True)
+        say(f"error: training reached step {train.step} but its final checkpoint could not be saved (save failed "
+            f"at step {save_failed_at}); resume from `latest` repeats the steps since")
         return EXIT_FAILED
     if env.distributed and args.parallel == "ddp":
         same = distributed.replicas_identical(model, env)
@@ -539,10 +545,10 @@ def cli() -> int:
     try:
         return main()
     except distributed.LaunchError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        say(f"error: {e}")
         return EXIT_BAD_INPUT
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        say(f"error: {e}")
         return EXIT_FAILED
     except Exception as e:
         if checkpoint_jit.recover(e):  # --jit-checkpoint: this healthy rank saved the last completed step (or another)

@@ -57,6 +57,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -362,7 +363,8 @@ def install_crash_knob(model: torch.nn.Module, rank: int, current_step: Callable
     def hook(module, inputs, output):  # noqa: ARG001
         if current_step() + 1 != at_step:
             return
-        print(f"[crash] rank {rank}: {mode} after the forward pass of step {at_step}", flush=True)
+        sys.stdout.write(f"[crash] rank {rank}: {mode} after the forward pass of step {at_step}\n")  # one write
+        sys.stdout.flush()
         if mode == "raise":
             raise RuntimeError(f"injected crash of rank {rank} at step {at_step}")
         if mode == "hang":
