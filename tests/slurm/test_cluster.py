@@ -156,7 +156,11 @@ srun bash -c 'trap "{stamp} step_usr1" USR1; trap "{stamp} step_term; exit 0" TE
     start_b = read_floats(b_dir / "start")
     step_usr1, step_term = read_floats(b_dir / "step_usr1"), read_floats(b_dir / "step_term")
     assert not (b_dir / "batch_usr1").exists(), "without B: the batch shell must not get the warning signal"
-    assert len(step_usr1) == 1 and len(step_term) == 1, (step_usr1, step_term, info_b)
+    # At the time limit the srun task's SIGTERM can come twice, milliseconds apart: from its slurmstepd and again from
+    # srun, which forwards the SIGTERM it got with the batch step (CI saw 2.5 ms; the trap's `exit 0` usually wins the
+    # race). So a job's SIGTERM handler must be idempotent (checkpoint/policy.py: a set of received signals).
+    assert len(step_usr1) == 1 and len(step_term) in (1, 2), (step_usr1, step_term, info_b)
+    assert step_term[-1] - step_term[0] < 5, step_term
     assert start_b[0] < step_usr1[0] < step_term[0]
     timing(
         f"--time=1 --signal=USR1@50 (steps): warning {step_usr1[0] - start_b[0]:.1f}s after start, "
