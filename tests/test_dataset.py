@@ -529,17 +529,17 @@ def test_build_default_corpus_cli_and_fast_second_start(tmp_path):
     dataset.build_default_dataset(again)
     assert again.read_bytes() == out.read_bytes()
 
-    # first start tokenizes with the default tokenizer; the second start only memory-maps the cache
-    tok = load_tokenizer(dataset.DEFAULT_TOKENIZER)
-    t0 = time.perf_counter()
-    first = load_token_windows(out, tok, 1024, verbose=False)
-    t_first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    second = load_token_windows(out, load_tokenizer(dataset.DEFAULT_TOKENIZER), 1024, verbose=False)
-    t_second = time.perf_counter() - t0
+    # first start tokenizes with the default tokenizer; the second start only memory-maps the cache (no encode call;
+    # how fast that is belongs to benchmarks, not to a timed assertion)
+    first = load_token_windows(out, load_tokenizer(dataset.DEFAULT_TOKENIZER), 1024, verbose=False)
+    second_tok = load_tokenizer(dataset.DEFAULT_TOKENIZER)
+    encode_calls = []
+    real_encode = second_tok.encode_batch
+    second_tok.encode_batch = lambda texts: encode_calls.append(len(texts)) or real_encode(texts)
+    second = load_token_windows(out, second_tok, 1024, verbose=False)
+    assert encode_calls == [], "the second start must reuse the token cache, not tokenize again"
     assert first.num_tokens == second.num_tokens > 2_000_000
     assert torch.equal(first[len(first) - 1], second[len(second) - 1])
-    assert t_second < 0.5 and t_second < t_first / 4, (t_first, t_second)
 
 
 def test_cli_help_prepare_and_bench(data_file, capsys):
