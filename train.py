@@ -14,10 +14,18 @@ import csv
 import math
 import os
 import random
+import signal
 import sys
 import time
 import uuid
 from pathlib import Path
+from typing import TextIO
+
+if __name__ == "__main__":
+    # SLURM's warning signal can come while the imports below run (seconds; tens on a busy node), and its default
+    # action kills the process: hold USR1/USR2 pending until the stop policy's handlers exist (SignalWatcher.install
+    # releases them, and a held signal is delivered to the handler then).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
 
 import numpy as np
 import torch
@@ -177,16 +185,22 @@ def build_parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def say(line: str) -> None:
-    """One line to stderr in one write(): ranks share the pipe, and print() under PYTHONUNBUFFERED writes the text and
-    its newline separately, so two ranks' lines could interleave into one."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+def say(line: str, stream: TextIO | None = None) -> None:
+    """One line (to stderr by default) in one write(): ranks share the pipe, and print() under PYTHONUNBUFFERED writes
+    the text and its newline separately, so two ranks' lines could interleave into one."""
+    stream = stream or sys.stderr
+    stream.write(line + "\n")
+    stream.flush()
+
+
+def log(msg: str) -> None:
+    """A progress line from any rank, to stdout."""
+    say(msg, sys.stdout)
 
 
 def log0(env: distributed.DistEnv, msg: str) -> None:
     if env.is_main:
-        print(msg, flush=True)
+        log(msg)
 
 
 def seed_everything(seed: int) -> None:
@@ -403,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     loss_csv = LossCSV(csv_path, resumed_step) if (csv_path and env.is_main) else None
 
     policy = stop_policy.from_args(args, rank=env.rank, agree=lambda v: distributed.all_reduce_max(v, env),
-                                   signals=signals, log=lambda m: print(m, flush=True), save_history=manager.history,
+                                   signals=signals, log=log, save_history=manager.history,
                                    start=wall_start)
     autocast = distributed.autocast(env, args.model_dtype)
     params = [p for p in model.parameters()]
@@ -431,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     jit = checkpoint_jit.setup(args.jit_checkpoint, root=log_dir,  # = run_root; local ./logs/<exp> for s3 (jit refused)
                                state=state, rank=rank_info, run_id=run_id[0],
                                model=model, current_step=lambda: train.step,
-                               reseed=lambda r: seed_everything(args.seed + r), log=lambda m: print(m, flush=True),
+                               reseed=lambda r: seed_everything(args.seed + r), log=log,
                                csv_path=csv_path)
     if env.distributed and args.pg_timeout_seconds:
         distributed.set_timeout(args.pg_timeout_seconds)
@@ -495,8 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             progress.set_postfix(postfix, refresh=False)
             progress.update(train.step - progress.n)
             if progress.disable:  # not a terminal (batch job log): plain lines instead of a bar
-                print(f"step {train.step}/{args.training_steps} " + " ".join(f"{k} {v}" for k, v in postfix.items()),
-                      flush=True)
+                log(f"step {train.step}/{args.training_steps} " + " ".join(f"{k} {v}" for k, v in postfix.items()))
         if profiler is not None:
             profiler.step()
 

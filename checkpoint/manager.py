@@ -165,11 +165,12 @@ class CheckpointManager:
         not after the earlier ones finish. Before any error propagates, the other saves in flight are waited for, so
         they still commit and the process never exits under a half-written save it could have finished."""
         try:
-            while self.in_flight and (self.in_flight[0].done() or len(self.in_flight) >= block_until_below):
-                self._wait_and_forget(self.in_flight[0])
-            for h in [h for h in self.in_flight if h.done()]:
-                self.in_flight.remove(h)
-                h.wait()
+            while True:
+                for h in [h for h in self.in_flight if h.done()]:  # any order: a later save's error is raised now
+                    self._wait_and_forget(h)
+                if len(self.in_flight) < block_until_below:
+                    return
+                time.sleep(0.01)  # until any save finishes, not just the oldest: one that failed must not wait
         except Exception:
             self._drain()
             raise

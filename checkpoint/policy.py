@@ -45,6 +45,8 @@ from .walltime import DeadlineReader, WalltimePolicy
 # Votes, ordered by urgency: agreement is an all-reduce MAX.
 NONE, INTERVAL, WALLTIME, SIGNAL, TERM = 0, 1, 2, 3, 4
 REASONS = {NONE: "", INTERVAL: "interval", WALLTIME: "walltime", SIGNAL: "signal", TERM: "SIGTERM"}
+#: what train.py blocks before its (slow) imports, before it can import this module; released by SignalWatcher.install
+HELD_SIGNALS = {signal.SIGUSR1, signal.SIGUSR2}
 
 # Outcomes of a run (train.py maps them to exit codes).
 FINISHED, REQUEUED, STOPPED, REQUEUE_FAILED = "finished", "requeued", "stopped", "requeue-failed"
@@ -108,6 +110,9 @@ class SignalWatcher:
     def install(self) -> "SignalWatcher":
         for sig in sorted(self.signals):
             signal.signal(sig, self._handle)
+        # train.py holds USR1/USR2 during its imports; one that arrived meanwhile is delivered now (to our handler if
+        # it is the stop signal; the other one keeps its default action, as without the hold)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
         return self
 
     def arm(self) -> None:

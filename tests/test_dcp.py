@@ -122,7 +122,9 @@ def test_async_background_save_error_stops_the_run_in_one_line(corpus, tmp_path)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("error: saving step 4") and "injected I/O error" in errors[0], errors
-    assert csv_rows(tmp_path / "default/loss.csv") <= FREQ + 1  # surfaced at the next step boundary, training stopped
+    # surfaced by the per-step poll (a few steps after the step-4 save, as fast as its background thread fails), not
+    # by the next save at step 8, which would wait for it (one async save in flight); training stopped there
+    assert csv_rows(tmp_path / "default/loss.csv") < 2 * FREQ
     assert not [i for i in layout.list_checkpoints(tmp_path / "default") if i.committed]  # nothing half-saved committed
 
 

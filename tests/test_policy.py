@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, TINY, check_weights, env_for_tests, loss_rows, torchrun_cmd
+from helpers import PY, ROOT, TINY, check_weights, env_for_tests, loss_rows, torchrun_cmd
 
 sys.path.insert(0, str(ROOT))
 from checkpoint import policy, slurm  # noqa: E402
@@ -425,3 +425,29 @@ def test_signal_to_one_rank_only_stops_both_at_the_same_step_then_resume_is_bit_
     rows = loss_rows(csv)
     assert rows == loss_rows(tmp_path / "ref/default/loss.csv")
     assert [int(r[0]) for r in rows] == list(range(1, STEPS + 1))
+
+
+def _blocked_signals(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigBlk:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
+def test_stop_signal_during_startup_imports_is_held_not_fatal(corpus, tmp_path):
+    """SLURM's warning can come while train.py still imports torch (seconds, tens on a busy node); SIGUSR1's default
+    action would kill the process. train.py holds USR1/USR2 from its first lines; the policy's handler gets the held
+    signal once installed, and the run saves and stops at its first step instead of dying unsaved."""
+    args = TINY + ["--dataset", corpus, "--training-steps", "8", "--checkpoint-dir", str(tmp_path)]
+    proc = subprocess.Popen([PY, str(ROOT / "train.py"), *args], cwd=ROOT, env=env_for_tests(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    held = 1 << (signal.SIGUSR1 - 1)
+    deadline = time.monotonic() + 30
+    while not _blocked_signals(proc.pid) & held:  # held: train.py is importing; only install() of its handler releases
+        assert proc.poll() is None and time.monotonic() < deadline, "train.py never held SIGUSR1"
+        time.sleep(0.001)
+    os.kill(proc.pid, signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 4, out[-3000:]  # stopped and saved; not a SLURM job, so no requeue
+    assert "rank 0: received SIGUSR1" in out and "saving and stopping at step 1: received SIGUSR1" in out, out[-3000:]
+    assert "checkpoint step 1 committed" in out, out[-3000:]

