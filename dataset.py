@@ -98,8 +98,7 @@ _CHUNK_CHARS = 4_000_000  # text handed to the tokenizer per call: bounds memory
 
 
 def _log(msg: str) -> None:
-    sys.stderr.write(f"[dataset] {msg}\n")  # one write: ranks share the pipe (see train.say)
-    sys.stderr.flush()
+    print(f"[dataset] {msg}", file=sys.stderr, flush=True)
 
 
 def _open_parquet(path: Path):

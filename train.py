@@ -19,13 +19,16 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import TextIO
 
 if __name__ == "__main__":
     # SLURM's warning signal can come while the imports below run (seconds; tens on a busy node), and its default
     # action kills the process: hold USR1/USR2 pending until the stop policy's handlers exist (SignalWatcher.install
     # releases them, and a held signal is delivered to the handler then).
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
+    # One write() per line: ranks share the job's pipe, and under PYTHONUNBUFFERED (set by the SLURM script) print()
+    # writes the text and its newline separately, so two ranks' lines could merge into one.
+    for _stream in (sys.stdout, sys.stderr):
+        _stream.reconfigure(line_buffering=True, write_through=False)
 
 import numpy as np
 import torch
@@ -185,17 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def say(line: str, stream: TextIO | None = None) -> None:
-    """One line (to stderr by default) in one write(): ranks share the pipe, and print() under PYTHONUNBUFFERED writes
-    the text and its newline separately, so two ranks' lines could interleave into one."""
-    stream = stream or sys.stderr
-    stream.write(line + "\n")
-    stream.flush()
+def say(line: str) -> None:
+    """An error or warning line from any rank, to stderr."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def log(msg: str) -> None:
     """A progress line from any rank, to stdout."""
-    say(msg, sys.stdout)
+    print(msg, flush=True)
 
 
 def log0(env: distributed.DistEnv, msg: str) -> None:

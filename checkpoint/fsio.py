@@ -13,7 +13,6 @@ import errno
 import io
 import os
 import uuid
-import sys
 import zlib
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
@@ -224,6 +223,5 @@ def fault_point(name: str, where: object = "") -> None:
         raise OSError(errno.EIO, f"injected I/O error at {name}", str(where))
     import signal
 
-    sys.stdout.write(f"[fault] SIGKILL at {name} ({where})\n")  # one write: ranks share the pipe
-    sys.stdout.flush()
+    print(f"[fault] SIGKILL at {name} ({where})", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)

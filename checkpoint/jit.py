@@ -57,7 +57,6 @@ import os
 import re
 import shutil
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -363,8 +362,7 @@ def install_crash_knob(model: torch.nn.Module, rank: int, current_step: Callable
     def hook(module, inputs, output):  # noqa: ARG001
         if current_step() + 1 != at_step:
             return
-        sys.stdout.write(f"[crash] rank {rank}: {mode} after the forward pass of step {at_step}\n")  # one write
-        sys.stdout.flush()
+        print(f"[crash] rank {rank}: {mode} after the forward pass of step {at_step}", flush=True)
         if mode == "raise":
             raise RuntimeError(f"injected crash of rank {rank} at step {at_step}")
         if mode == "hang":
