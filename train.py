@@ -42,6 +42,7 @@ from checkpoint import layout, storage
 from checkpoint.backends.dcp import DCPModelState, DCPOptimizerState
 from checkpoint.fsio import fsync_dir
 from checkpoint import jit as checkpoint_jit
+from checkpoint import lease as run_lease
 from checkpoint import policy as stop_policy
 from checkpoint.walltime import parse_walltime
 from dataset import DEFAULT_TOKENIZER, DataError, TrainLoader, load_token_windows, load_tokenizer
@@ -58,6 +59,7 @@ EXIT_REQUEUE = 3  # to be continued: requeued by train.py (SLURM signal/walltime
 #                   rank failed (then the launcher reruns/requeues)
 EXIT_STOPPED = 4  # not requeued: SIGTERM, --no-requeue, job array task, --max-restarts reached, or not under SLURM
 EXIT_REQUEUE_FAILED = 5  # a requeue was due but failed (e.g. scontrol missing): resubmit to continue
+EXIT_FENCED = 6  # a newer incarnation took the run directory over (checkpoint/lease.py): this one changed nothing
 
 
 class BadInput(Exception):
@@ -150,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--max-kept-checkpoints", type=int, default=3, help="keep the newest K committed checkpoints (0 = keep all)")
     flag("--keep-every", type=int, default=0, help="also keep every checkpoint whose step is a multiple of N")
     flag("--timeaware-checkpointing", action="store_true", help="save and stop before the SLURM walltime runs out")
+    flag("--force-takeover", action="store_true",
+         help="take the run directory over even if another live run holds it (one writer per run directory; the "
+              "other run is fenced: it can no longer commit or delete anything, and stops)")
     flag("--on-save-error", default="stop", choices=["stop", "continue"],
          help="a save that fails (e.g. disk full; the previous checkpoint stays intact and `latest`): stop = exit 1 at "
               "once; continue = warn, keep training, retry at the next interval (exit 1 if the final save fails)")
@@ -220,28 +225,29 @@ def lr_lambda(warmup: int, total: int):
 
 
 class LossCSV:
-    """One row per step. On resume, rows after the resumed step are dropped (they belong to work that was lost and
-    will be redone), so the file ends up with every step exactly once."""
+    """One row per step. At start the file is rewritten with the rows up to the step the run continues from (0 for a
+    fresh start; later rows belong to work that was lost and will be redone), so it ends up with every step exactly
+    once. The rewrite is a new file renamed over the old one, never a truncation: a fenced stale incarnation that still
+    appends to the old file writes into an unlinked inode, not into this run's log."""
 
     FIELDS = ["step", "loss", "lr", "tokens_seen", "wall_time", "restart"]
 
     def __init__(self, path: Path, resumed_step: int | None):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        if resumed_step is not None and path.exists():
+        rows = []
+        if path.exists():
             with open(path, newline="") as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resumed_step]
-            tmp = path.with_suffix(".csv.tmp")
-            with open(tmp, "w", newline="") as f:
-                w = csv.DictWriter(f, self.FIELDS)
-                w.writeheader()
-                w.writerows(rows)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        elif resumed_step is None or not path.exists():  # a fresh file (also when resuming into a new folder)
-            with open(path, "w", newline="") as f:
-                csv.DictWriter(f, self.FIELDS).writeheader()
+                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= (resumed_step or 0)]
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, self.FIELDS)
+            w.writeheader()
+            w.writerows(rows)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
         self.file = open(path, "a", newline="")
         self.writer = csv.DictWriter(self.file, self.FIELDS)
 
@@ -302,6 +308,52 @@ def check_checkpoint_flags(args: argparse.Namespace) -> None:
         raise BadInput(f"--async-checkpoint is for {how}; the concurrent backend is always asynchronous")
 
 
+# Flags that may differ from the checkpoint's on resume (README "Changing flags on resume"). APPLIED: they take effect
+# from the resumed step on, each named in one line. REFUSED (with why): the checkpoint's weights, data position and RNG
+# were made with the saved value, so a new one could not apply -- exit 2 instead of a half-applied run.
+RESUME_APPLIED = ("learning_rate", "lr_warmup_steps", "training_steps", "grad_max_norm", "fused_optimizer", "compile",
+                  "batch_size")
+RESUME_REFUSED = (("model", "the weights are that model's"),
+                  ("tokenizer_name_or_path", "the embeddings and the data position are that tokenizer's"),
+                  ("sequence_length", "the data position counts windows of that length"),
+                  ("seed", "the data order and every RNG continue from the checkpoint"),
+                  ("model_dtype", "the weights and optimizer state were trained in it"))
+
+
+def apply_resume_flags(args: argparse.Namespace, run_info: RunInfo, step: int | None,
+                       optimizer: torch.optim.Optimizer, scheduler) -> list[str]:
+    """Compare the flags with the ones the loaded checkpoint was saved with (``run_info.saved``, the same on every rank):
+    raise BadInput for a refused difference, apply the others and return one 'resume: applying' line each. Nothing
+    differs: nothing is touched (the resumed run stays bitwise an uninterrupted one). ``step`` None: a load that failed
+    part-way, only the refusals are checked (run_info loads first, so another --model is named, not its tensor shapes)."""
+    saved = getattr(run_info, "saved", {}).get("config", {})
+    shown = lambda v: ("on" if v else "off") if isinstance(v, bool) else v  # noqa: E731
+    flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
+    for key, why in RESUME_REFUSED:
+        if key in saved and saved[key] != getattr(args, key):
+            raise BadInput(f"{flag(key)} {shown(getattr(args, key))} differs from the checkpoint's {shown(saved[key])} "
+                           f"and cannot change on resume ({why}); resume with {flag(key)} {shown(saved[key])}, or "
+                           f"start a new --experiment_name")
+    if step is None:
+        return []
+    if args.training_steps < step:
+        raise BadInput(f"checkpoint is at step {step} but --training-steps {args.training_steps} ends before it; pass "
+                       f"--training-steps {step} or more, or start a new --experiment_name")
+    changed = [k for k in RESUME_APPLIED if k in saved and saved[k] != getattr(args, k)]
+    if {"learning_rate", "lr_warmup_steps", "training_steps"} & set(changed):
+        # LambdaLR's state restored the old base lr and the optimizer the old step's lr; the lambda is the current
+        # flags'. Set both so step s runs at learning_rate * lambda(s), as a fresh run with these flags would.
+        scheduler.base_lrs = [args.learning_rate] * len(optimizer.param_groups)
+        for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+            group["initial_lr"] = args.learning_rate
+            group["lr"] = args.learning_rate * factor(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
+    if "fused_optimizer" in changed:  # the loaded param groups carry the saved run's choice
+        for group in optimizer.param_groups:
+            group["fused"] = True if args.fused_optimizer else None
+    return [f"resume: applying {flag(k)} {shown(getattr(args, k))} (checkpoint had {shown(saved[k])})" for k in changed]
+
+
 def shard_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     """FSDP2: every transformer block is one all-gather / reduce-scatter unit, then the root (embeddings, norm, output)."""
     from torch.distributed.fsdp import fully_shard
@@ -340,13 +392,15 @@ def main(argv: list[str] | None = None) -> int:
 
     env = distributed.init(args.distributed)
     # Setup that can fail on bad input runs on every rank without collectives; then ranks agree.
-    error = None
+    error, lease = None, None
     try:
         tokenizer, windows, config = validate(args, env)
         check_checkpoint_flags(args)
         run_root = storage.as_path(args.checkpoint_dir) / args.experiment_name  # a local folder or s3://bucket/prefix
         if env.is_main:
             layout.ensure_writable(run_root)  # fail now, not at the first save hours from now
+            if not storage.is_remote(run_root):  # one writer per run directory (checkpoint/lease.py)
+                lease = run_lease.acquire(run_root, force=args.force_takeover, log=log)
         rank_info = RankInfo(env.rank, env.world_size, env.local_rank)
         backend_options = ({"max_async": args.max_async, "log": lambda m: log0(env, m)}
                            if args.checkpoint_backend == "concurrent" else {})
@@ -356,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     except (BadInput, DataError, CheckpointError, ValueError, RuntimeError) as e:
         error = e
     if agree_on_failure(env, error is not None):
+        if env.is_main and error is None and lease is not None:
+            lease.release()
         if error is not None:
             say(f"error: {error}" if env.is_main else f"error (rank {env.rank}): {error}")
         return EXIT_BAD_INPUT
@@ -384,30 +440,51 @@ def main(argv: list[str] | None = None) -> int:
         model_state, optim_state = DCPModelState(model), DCPOptimizerState(model, optimizer)
     else:  # full state dicts, written once by rank 0
         model_state, optim_state = ModelState(model), OptimizerState(model, optimizer)
-    state = CheckpointState(model=model_state, optimizer=optim_state, lr_scheduler=scheduler, dataloader=loader,
-                            train_state=train, rng=RNGState(), run_info=run_info)
+    # run_info first: a load that fails on another --model/tokenizer/sequence length is explained by the saved flags
+    state = CheckpointState(run_info=run_info, model=model_state, optimizer=optim_state, lr_scheduler=scheduler,
+                            dataloader=loader, train_state=train, rng=RNGState())
     if scaler is not None:
         state["grad_scaler"] = scaler
 
-    run_id = [uuid.uuid4().hex[:12] if env.is_main else None]
+    # One id per incarnation (part records, staging folder) and the lease's generation (fencing), the same on every rank.
+    run_id = [uuid.uuid4().hex[:12], lease.generation if lease else 0] if env.is_main else [None, None]
     if env.distributed:
         dist.broadcast_object_list(run_id, src=0)
+    if lease is None and run_id[1]:
+        lease = run_lease.Lease(run_root, run_id[1])
+    if lease is not None and env.is_main:
+        lease.start_heartbeat()
     manager = CheckpointManager(run_root, backend, rank_info, run_id=run_id[0], keep=args.max_kept_checkpoints,
-                                keep_every=args.keep_every, log=lambda m: log0(env, m))
+                                keep_every=args.keep_every, lease=lease, log=lambda m: log0(env, m))
 
     # --- resume --------------------------------------------------------------------------------------------------
-    resumed_step = None
-    if args.resume_from_checkpoint:
+    # Crashed incarnations' leftovers go, `latest` (or the given step) is loaded, and newer checkpoints of a line the
+    # run no longer follows are moved aside, so a later `latest` cannot jump back to them.
+    applied: list[str] = []  # flags that differ from the checkpoint's and take effect ('resume: applying ...')
+
+    def reconcile(step: int | None) -> None:  # right after the load, before begin() moves anything aside
+        applied.extend(apply_resume_flags(args, run_info, step, optimizer, scheduler))
+
+    try:
         try:
-            resumed_step = manager.load(args.resume_from_checkpoint, state)
-        except (CheckpointError, DataError) as e:  # DataError: e.g. resharded to a global batch the position does not fit
+            resumed_step = manager.begin(args.resume_from_checkpoint, state, keep_files=("loss.csv",),
+                                         after_load=reconcile)
+        except (CheckpointError, DataError) as e:  # DataError: e.g. resharded to a global batch it does not fit
+            reconcile(None)  # run_info loads first: a refused flag (another --model, ...) explains the failure best
             say(f"error: {e}")
             return EXIT_BAD_INPUT
+    except BadInput as e:  # every rank has the same flags and run_info.saved: all refuse here, none waits in a collective
+        if env.is_main:
+            say(f"error: {e}")
+        return EXIT_BAD_INPUT
+    if args.resume_from_checkpoint:
         if resumed_step is None:
             log0(env, f"no checkpoint found in {run_root}; starting fresh from step 0")
         else:
             train.restarts += 1
-            for line in run_info.differences(("model", "tokenizer_name_or_path", "sequence_length", "batch_size", "seed")):
+            for line in applied:
+                log0(env, line)
+            for line in run_info.differences(()):  # world size, torch version
                 log0(env, f"warning: resumed run differs from the checkpoint: {line}")
     # Loss CSV and profiler traces stay on local disk: next to the checkpoints, or ./logs/<experiment> for s3://.
     log_dir = Path("logs") / args.experiment_name if storage.is_remote(run_root) else run_root
@@ -418,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
 
     policy = stop_policy.from_args(args, rank=env.rank, agree=lambda v: distributed.all_reduce_max(v, env),
                                    signals=signals, log=log, save_history=manager.history,
-                                   start=wall_start)
+                                   start=wall_start, fenced=(lambda: manager.fenced) if env.is_main else None)
     autocast = distributed.autocast(env, args.model_dtype)
     params = [p for p in model.parameters()]
     tokens_per_step = args.batch_size * args.sequence_length * env.world_size
@@ -446,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
                                state=state, rank=rank_info, run_id=run_id[0],
                                model=model, current_step=lambda: train.step,
                                reseed=lambda r: seed_everything(args.seed + r), log=log,
-                               csv_path=csv_path)
+                               csv_path=csv_path, guard=lease.check if lease is not None else None)
     if env.distributed and args.pg_timeout_seconds:
         distributed.set_timeout(args.pg_timeout_seconds)
     save_failed_at, saved_at = None, None  # --on-save-error continue: the final checkpoint must still exist
@@ -530,6 +607,14 @@ def main(argv: list[str] | None = None) -> int:
         manager.close()
     except CheckpointError as e:
         save_failed_at = on_save_error(args, e, train.step)
+    # A newer incarnation took the run directory over (rank 0 knows): this one committed nothing since, and must
+    # neither requeue nor report success.
+    if distributed.all_reduce_max(1.0 if manager.fenced else 0.0, env) > 0:
+        if env.is_main:
+            say(f"error: stopped at step {train.step}: {lease.fenced_message}")
+        distributed.shutdown(env)
+        _KEEP_UNTIL_EXIT.append(model)
+        return EXIT_FENCED
     if save_failed_at is not None and save_failed_at >= (saved_at or 0):
         say(f"error: training reached step {train.step} but its final checkpoint could not be saved (save failed "
             f"at step {save_failed_at}); resume from `latest` repeats the steps since")
@@ -550,6 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     outcome = policy.finish(train.step, args.training_steps)  # a stop before the end: rank 0 requeues (committed above)
     distributed.shutdown(env)
     _KEEP_UNTIL_EXIT.append(model)  # see __main__: freeing DDP's reducer here can hang the process
+    if lease is not None and env.is_main:
+        lease.release()  # the next start takes the run directory over without asking
     return {stop_policy.FINISHED: EXIT_FINISHED, stop_policy.REQUEUED: EXIT_REQUEUE, stop_policy.STOPPED: EXIT_STOPPED,
             stop_policy.REQUEUE_FAILED: EXIT_REQUEUE_FAILED}[outcome]
 

@@ -69,7 +69,7 @@ from . import layout
 from .backends.base import RankInfo
 from .backends.vanilla import rank_file, save_pieces
 from .errors import CheckpointError
-from .fsio import atomic_write_bytes, fsync_dir
+from .fsio import atomic_write_bytes
 from .state import CheckpointState, _is_fsdp, unwrap_model
 
 SETUP, FORWARD_BACKWARD, OPTIMIZER, BETWEEN_STEPS = "setup", "forward/backward", "optimizer step", "between steps"
@@ -127,6 +127,7 @@ class JustInTime:
         self.csv_path = Path(csv_path) if csv_path else None
         self._row: dict[str, Any] | None = None  # the loss-CSV row of the last completed step
         self.root = Path(root)
+        self.guard: Callable[[str], None] = lambda what: None  # fencing (checkpoint/lease.py), set by setup()
         self.state = state
         self.rank = rank
         self.run_id = run_id
@@ -330,13 +331,8 @@ class JustInTime:
                 shutil.rmtree(staging, ignore_errors=True)  # a periodic save of this step committed meanwhile
                 return target, meta
             except CheckpointError:
-                (target / layout.COMMITTED).unlink(missing_ok=True)
-                trash = target.with_name(f".trash-{target.name}-{self.run_id}-jit")
-                target.rename(trash)
-                shutil.rmtree(trash, ignore_errors=True)
-        staging.rename(target)
-        fsync_dir(self.root)
-        return target, meta
+                pass  # replaced below: the broken copy stays in place until the new one is committed
+        return layout.publish(staging, self.root, step, guard=self.guard, tag=f"{self.run_id}-jit"), meta
 
 
 def cleanup_stale(root: Path, run_id: str) -> None:
@@ -375,12 +371,16 @@ def install_crash_knob(model: torch.nn.Module, rank: int, current_step: Callable
 
 def setup(enabled: bool, *, root: Path, state: CheckpointState, rank: RankInfo, run_id: str, model: torch.nn.Module,
           current_step: Callable[[], int], reseed: Callable[[int], None] | None = None,
-          log: Callable[[str], None] = print, csv_path: Path | None = None) -> JustInTime:
-    """Create the checkpointer train.py calls around each step (a no-op one when ``enabled`` is False)."""
+          log: Callable[[str], None] = print, csv_path: Path | None = None,
+          guard: Callable[[str], None] | None = None) -> JustInTime:
+    """Create the checkpointer train.py calls around each step (a no-op one when ``enabled`` is False). ``guard(what)``
+    raises if this incarnation has been fenced (checkpoint/lease.py)."""
     global ACTIVE
     install_crash_knob(model, rank.rank, current_step)
     jit = JustInTime(enabled, root=root, state=state, rank=rank, run_id=run_id, reseed=reseed, log=log,
                      csv_path=csv_path)
+    if guard is not None:
+        jit.guard = guard
     if not enabled:
         return jit
     if _is_fsdp(model):

@@ -15,9 +15,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Callable
 
 from . import storage
 from .errors import CheckpointError
@@ -27,6 +30,10 @@ FORMAT_VERSION = 1
 STEP_DIR_RE = re.compile(r"^step-(\d{8,})$")
 MANIFEST = "manifest.json"
 COMMITTED = "COMMITTED"
+
+
+def _no_guard(what: str) -> None:  # noqa: ARG001 - fencing off (no lease: object storage, tools)
+    return None
 
 
 def step_dir_name(step: int) -> str:
@@ -150,18 +157,81 @@ def read_manifest(step_dir: Path) -> dict:
     try:
         marker = json.loads((step_dir / COMMITTED).read_text())
         raw = (step_dir / MANIFEST).read_bytes()
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{step_dir}: unreadable {MANIFEST}/{COMMITTED} ({e})") from None
     from .fsio import checksum_bytes
 
-    if checksum_bytes(raw) != marker.get("manifest_crc32"):
+    if not isinstance(marker, dict) or not isinstance(marker.get("manifest_crc32"), str):
+        raise CheckpointError(f"{step_dir / COMMITTED} is malformed: expected a JSON object holding manifest_crc32, "
+                              f"found {_show(marker)}; the checkpoint was damaged or tampered with")
+    if checksum_bytes(raw) != marker["manifest_crc32"]:
         raise CheckpointError(f"{step_dir / MANIFEST} does not match its commit marker: corrupted or tampered with")
     try:
         manifest = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise CheckpointError(f"{step_dir / MANIFEST} is not valid JSON") from None
-    for name in manifest.get("files", {}):
+    return check_manifest(manifest, step_dir)
+
+
+def _show(value, limit: int = 60) -> str:
+    """A JSON value in an error message: short, and saying what kind of thing it is."""
+    kind = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
+    text = json.dumps(value) if not isinstance(value, (dict, list)) else ""
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    return f"{kind} {text}" if text and value is not None else kind
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_manifest(manifest, step_dir: Path) -> dict:
+    """The one place a manifest's structure is checked, so nothing that reads a verified manifest (verify, resolve, the
+    backends' load paths, reader, convert, the CLI) can trip over a missing or mistyped field: anything off raises a
+    CheckpointError naming manifest.json, which `latest` skips like any other invalid checkpoint."""
+    where = storage.as_path(step_dir) / MANIFEST
+
+    def bad(what: str):
+        raise CheckpointError(f"{where} is malformed: {what}; the checkpoint was damaged or tampered with")
+
+    if not isinstance(manifest, dict):
+        bad(f"expected a JSON object, found {_show(manifest)}")
+    if "format_version" not in manifest:
+        bad("no format_version")
+    version = manifest["format_version"]
+    if version != FORMAT_VERSION or not _is_int(version):
+        newer = ": written by a newer version; upgrade PyRecover" if _is_int(version) and version > FORMAT_VERSION else ""
+        raise CheckpointError(f"{where} has format_version {json.dumps(version)[:40]}, this PyRecover reads "
+                              f"{FORMAT_VERSION}{newer or ': not a manifest this PyRecover can read'}")
+    fields = {
+        "step": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+        "world_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+        "backend": (lambda v: isinstance(v, str) and v != "", "a backend name"),
+        "checksum": (lambda v: isinstance(v, str) and v != "", "a checksum algorithm name"),
+        "files": (lambda v: isinstance(v, dict), "an object of file name -> record"),
+    }
+    for key, (ok, expected) in fields.items():
+        if key not in manifest:
+            bad(f"no {key}")
+        if not ok(manifest[key]):
+            bad(f"{key} is {_show(manifest[key])}, expected {expected}")
+    algorithm = manifest["checksum"]
+    if algorithm != CHECKSUM_ALGORITHM:
+        raise CheckpointError(f"{where} uses checksum algorithm {algorithm[:40]!r}; this PyRecover verifies "
+                              f"{CHECKSUM_ALGORITHM} only")
+    for name, rec in manifest["files"].items():
         safe_relpath(name, step_dir)
+        if not isinstance(rec, dict):
+            bad(f"the record of {name!r} is {_show(rec)}, expected an object with size and {algorithm}")
+        if "size" not in rec or not _is_int(rec["size"]) or rec["size"] < 0:
+            bad(f"the record of {name!r} has " + (f"size {_show(rec['size'])}" if "size" in rec else "no size")
+                + ", expected an integer >= 0")
+        if not isinstance(rec.get(algorithm), str):
+            bad(f"the record of {name!r} has no {algorithm} checksum string")
+    if not isinstance(manifest.get("meta", {}), dict):
+        bad(f"meta is {_show(manifest['meta'])}, expected an object")
     return manifest
 
 
@@ -174,7 +244,7 @@ def verify(step_dir: Path, *, checksums: bool = True) -> dict:
             raise CheckpointError(f"{path} is listed in the manifest but missing")
         if path.stat().st_size != rec["size"]:
             raise CheckpointError(f"{path} has {path.stat().st_size} bytes, manifest says {rec['size']}: truncated")
-        if checksums and storage.checksum(path)[1] != rec[manifest.get("checksum", CHECKSUM_ALGORITHM)]:
+        if checksums and storage.checksum(path)[1] != rec[manifest["checksum"]]:
             raise CheckpointError(f"{path} fails its checksum: the file is corrupted")
     return manifest
 
@@ -216,13 +286,19 @@ def resolve(root: Path, spec: str, *, warn=print) -> CheckpointInfo | None:
 # --- retention -----------------------------------------------------------------------------------------------------
 
 
-def apply_retention(root: Path, keep: int, *, keep_every: int = 0, in_flight: set[int] = frozenset(), log=print) -> list[int]:
+def apply_retention(root: Path, keep: int, *, keep_every: int = 0, in_flight: set[int] = frozenset(), log=print,
+                    guard: Callable[[str], None] = _no_guard, own_staging: str = "") -> list[int]:
     """Delete committed checkpoints beyond the newest ``keep`` (by numeric step). Returns the deleted steps.
 
     Never deletes: the newest committed checkpoint, anything in flight, milestones (step % keep_every == 0), and
-    uncommitted folders newer than the newest committed one (they may be someone's save in progress). Called only
+    uncommitted folders newer than the newest committed one (they may be a save in progress on object storage, which
+    writes in place). Also sweeps staging folders of other incarnations (``own_staging`` is ours): the lease makes
+    them dead, since they can never be published. ``guard(what)`` raises if this incarnation is fenced. Called only
     after a new checkpoint has committed.
     """
+    if keep <= 0 and not storage.is_remote(root):
+        _sweep_other_staging(storage.as_path(root), own_staging, guard, log)
+        return []
     if keep <= 0:
         return []
     infos = list_checkpoints(root)
@@ -235,6 +311,7 @@ def apply_retention(root: Path, keep: int, *, keep_every: int = 0, in_flight: se
     # Stale partial folders older than the newest commit are leftovers of a crash; they never become loadable.
     doomed += [i for i in infos if not i.committed and i.step < newest and i.step not in in_flight]
     for info in doomed:
+        guard(f"delete {info.path.name}")
         fault_point("during_retention_delete", info.path)
         # Remove the commit marker first so a crash mid-delete leaves an *uncommitted* folder, never a
         # committed one with missing files.
@@ -246,7 +323,101 @@ def apply_retention(root: Path, keep: int, *, keep_every: int = 0, in_flight: se
         log(f"retention: removed {info.path.name}")
     if doomed:
         storage.sync_dir(storage.as_path(root))
+    if not storage.is_remote(root):
+        _sweep_other_staging(storage.as_path(root), own_staging, guard, log)
     return [i.step for i in doomed]
+
+
+# --- staging, publishing, start-up sweep, retiring an abandoned line (local filesystems) --------------------------------
+# A save is written into <root>/.staging-<run_id>/step-N/ and committed there (manifest, COMMITTED); publishing renames
+# the committed folder to <root>/step-N. A checkpoint is therefore visible only once complete, and an existing committed
+# step-N stays valid until its replacement is committed: replacing it is rename(old -> .trash-*), rename(new -> step-N).
+# A crash between those two renames leaves both copies committed; the start-up sweep (``recover``) publishes the staged
+# one. Object storage has no rename: there, saves are written in place and COMMITTED is still written last.
+
+STAGING_PREFIX = ".staging-"
+TRASH_PREFIX = ".trash-"
+RETIRED_DIR = "retired"
+
+
+def staging_dir(root: Path, run_id: str, step: int) -> Path:
+    return Path(root) / f"{STAGING_PREFIX}{run_id}" / step_dir_name(step)
+
+
+def publish(staged: Path, root: Path, step: int, *, guard: Callable[[str], None] = _no_guard, tag: str = "") -> Path:
+    """Make the committed folder ``staged`` the checkpoint ``root/step-N`` (see above). Returns its final path."""
+    target = Path(root) / step_dir_name(step)
+    trash = None
+    if target.exists():
+        guard(f"replace {target.name}")
+        trash = target.with_name(f"{TRASH_PREFIX}{target.name}-{tag or uuid.uuid4().hex[:8]}")
+        target.rename(trash)  # the old copy stays committed (in the trash) until the new one is in place
+        fault_point("between_replace_renames", target)
+    else:
+        guard(f"publish {target.name}")
+    try:
+        staged.rename(target)
+    except OSError:
+        if trash is not None:
+            trash.rename(target)  # put the old checkpoint back: it stays `latest`
+        raise
+    fsync_dir(Path(root))
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+    return target
+
+
+def recover(root: Path, own_staging: str = "", log=print) -> None:
+    """At start, by the new owner, before `latest` is resolved: finish a replacement a crash interrupted (publish a
+    committed staged step whose step-N is missing), then remove what no incarnation can use any more: other staging
+    folders, trash, and uncommitted step folders (a save interrupted in place)."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for stage in sorted(p for p in root.iterdir() if p.name.startswith(STAGING_PREFIX) and p.name != own_staging):
+        for staged in sorted(stage.iterdir()) if stage.is_dir() else []:
+            m = STEP_DIR_RE.match(staged.name)
+            if m and (staged / COMMITTED).exists() and not (root / staged.name).exists():
+                staged.rename(root / staged.name)
+                log(f"run directory: published {staged.name}, committed before a crash interrupted its replacement")
+        shutil.rmtree(stage, ignore_errors=True)
+    for p in root.iterdir():
+        if p.name.startswith(TRASH_PREFIX) or (STEP_DIR_RE.match(p.name) and p.is_dir() and not (p / COMMITTED).exists()):
+            shutil.rmtree(p, ignore_errors=True)
+    fsync_dir(root)
+
+
+def _sweep_other_staging(root: Path, own_staging: str, guard: Callable[[str], None], log) -> None:
+    if not root.is_dir():
+        return
+    for p in root.iterdir():
+        if (p.name.startswith(STAGING_PREFIX) and p.name != own_staging) or p.name.startswith(TRASH_PREFIX):
+            guard(f"delete {p.name}")
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def retire_newer(root: Path, step: int, *, keep_files: tuple[str, ...] = (), guard: Callable[[str], None] = _no_guard,
+                 log=print) -> Path | None:
+    """The run continues from ``step``: move every checkpoint newer than it (a line the user left) to
+    ``root/retired/<UTC time>-after-step-<step>/``, with a copy of ``keep_files``, so `latest` can never return to that
+    line. Nothing is deleted. Returns the folder, or None if there was nothing to retire."""
+    root = Path(root)
+    newer = [i for i in list_checkpoints(root) if i.step > step]
+    if not newer:
+        return None
+    guard("retire the checkpoints of an abandoned line")
+    dest = root / RETIRED_DIR / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-after-step-{step}"
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in keep_files:
+        if (root / name).is_file():
+            shutil.copy2(root / name, dest / name)
+    for info in newer:
+        info.path.rename(dest / info.path.name)
+    fsync_dir(dest)
+    fsync_dir(root)
+    log(f"run directory: continuing from step {step}; moved the newer checkpoints of the abandoned line "
+        f"({', '.join(str(i.step) for i in newer)}) to {dest} (delete it when you no longer need them)")
+    return dest
 
 
 def ensure_writable(root: Path) -> None:

@@ -22,6 +22,7 @@ from .backends import Backend, RankInfo, loader_for
 from .backends.base import BackgroundTask
 from .errors import CheckpointError
 from .fsio import is_disk_full
+from .lease import Fenced, Lease
 from .state import CheckpointState
 
 MiB = 1 << 20
@@ -64,6 +65,7 @@ class CheckpointManager:
         keep: int = 0,
         keep_every: int = 0,
         commit_timeout_s: float = 1800.0,
+        lease: Lease | None = None,
         log: Callable[[str], None] = print,
     ):
         self.root = storage.as_path(root)  # a local Path or an s3:// S3Path
@@ -73,6 +75,7 @@ class CheckpointManager:
         self.keep = keep
         self.keep_every = keep_every
         self.commit_timeout_s = commit_timeout_s
+        self.lease = lease  # one writer per run directory: None on object storage (no exclusive create there)
         self.log = log
         self.in_flight: deque[SaveHandle] = deque()
         self.history: list[SaveRecord] = []
@@ -84,11 +87,18 @@ class CheckpointManager:
         land before (vanilla) or after (async backends) this returns. Raises errors of earlier background saves."""
         self._reap(block_until_below=self.backend.max_in_flight)
         t0 = time.perf_counter()
-        step_dir = self.root / layout.step_dir_name(step)
+        staged = not storage.is_remote(self.root)  # object storage has no rename: it writes in place, COMMITTED last
+        step_dir = layout.staging_dir(self.root, self.run_id, step) if staged else self.root / layout.step_dir_name(step)
+        prepared: list = [None]
         if self.rank.is_main:
-            self._prepare_step_dir(step_dir)
+            try:
+                self._prepare_step_dir(step_dir)
+            except (OSError, CheckpointError) as e:
+                prepared[0] = self._save_failed(step, step_dir, e)
         if dist.is_initialized() and self.rank.world_size > 1:
-            dist.barrier()  # no rank writes into the folder before rank 0 has prepared it
+            dist.broadcast_object_list(prepared, src=0)  # no rank writes into the folder before rank 0 has made it
+        if prepared[0] is not None:
+            raise prepared[0]
         try:
             payload = self.backend.save(step_dir, state)
         except (OSError, CheckpointError) as e:
@@ -102,8 +112,14 @@ class CheckpointManager:
                 record.bytes = sum(r["size"] for r in files.values())
                 if self.rank.is_main:
                     parts = layout.wait_for_part_records(step_dir, self.rank.world_size, self.commit_timeout_s, self.run_id)
+                    self._guard(f"commit step {step}")
                     layout.commit(step_dir, step, self.rank.world_size, self.backend.name, parts)
+                    if staged:
+                        layout.publish(step_dir, self.root, step, guard=self._guard, tag=self.run_id)
                     record.bytes = sum(r["size"] for p in parts for r in p["files"].values())
+            except Fenced as e:
+                self._note_fenced(e)
+                return
             except (OSError, CheckpointError) as e:
                 raise self._save_failed(step, step_dir, e) from None
             record.durable_s = time.perf_counter() - t0
@@ -112,7 +128,11 @@ class CheckpointManager:
                 # list(): a C-level copy, atomic under the GIL; iterating the deque itself from this background thread
                 # races with the training thread appending/reaping ("deque mutated during iteration").
                 in_flight = {h.step for h in list(self.in_flight) if h.step != step}
-                layout.apply_retention(self.root, self.keep, keep_every=self.keep_every, in_flight=in_flight, log=self.log)
+                try:
+                    layout.apply_retention(self.root, self.keep, keep_every=self.keep_every, in_flight=in_flight,
+                                           log=self.log, guard=self._guard, own_staging=step_dir.parent.name)
+                except Fenced as e:
+                    self._note_fenced(e)
 
         if payload.done():
             finish()
@@ -123,18 +143,38 @@ class CheckpointManager:
         self.in_flight.append(handle)
         return handle
 
+    def _guard(self, what: str) -> None:
+        """Raise Fenced if a newer incarnation owns the run directory (checked before every change to it)."""
+        if self.lease is not None:
+            self.lease.check(what)
+
+    def _note_fenced(self, e: Fenced) -> None:
+        """A fenced save is not an error of this run: it is dropped (its staging folder is the new owner's to sweep),
+        and the stop policy's vote (``fenced``) stops every rank at the next step boundary."""
+        if not getattr(self, "_fenced_logged", False):
+            self._fenced_logged = True
+            self.log(f"warning: {e}")
+
+    @property
+    def fenced(self) -> bool:
+        return self.lease is not None and self.lease.fenced()
+
     def _prepare_step_dir(self, step_dir: Path) -> None:
-        if step_dir.exists():
-            # A folder from an earlier attempt at this step (crashed mid-save, or a run that resumed from an older
-            # checkpoint). Un-commit it first, then move it out of the way: a crash here leaves nothing `latest` picks.
-            (step_dir / layout.COMMITTED).unlink(missing_ok=True)
-            trash = step_dir.with_name(f".trash-{step_dir.name}-{self.run_id}")
-            step_dir.rename(trash)
-            storage.rmtree(trash)
+        self._guard("start a save")
+        if storage.is_remote(step_dir):
+            # In place (object storage): un-commit an earlier attempt at this step first, so a crash here leaves
+            # nothing `latest` picks; the previous checkpoints stay intact.
+            if step_dir.exists():
+                (step_dir / layout.COMMITTED).unlink(missing_ok=True)
+                storage.rmtree(step_dir)
+        elif step_dir.exists():
+            storage.rmtree(step_dir)  # our own staging leftover of a failed attempt at this step
         step_dir.mkdir(parents=True)
 
     def _save_failed(self, step: int, step_dir: Path, e: OSError | CheckpointError) -> CheckpointError:
         """Clean up after a failed save; the one-line error to raise."""
+        if isinstance(e, Fenced):
+            return e
         self._abandon(step_dir, e)
         return self._io_error(step, e) if isinstance(e, OSError) else e
 
@@ -143,8 +183,8 @@ class CheckpointManager:
         attempt); another rank leaves a failure record so rank 0 stops waiting for its part at once. Best effort."""
         try:
             if self.rank.is_main:
-                if not (step_dir / layout.COMMITTED).exists():
-                    storage.rmtree(step_dir)
+                if not (step_dir / layout.COMMITTED).exists() or not storage.is_remote(step_dir):
+                    storage.rmtree(step_dir)  # staged: even committed, it was never published
             else:
                 layout.write_part_record(step_dir, self.rank.rank, {}, run_id=self.run_id, error=str(getattr(e, "strerror", None) or e))
         except OSError:
@@ -263,6 +303,26 @@ class CheckpointManager:
         )
         return info.step
 
+    def begin(self, spec: str | None, state: CheckpointState, *, keep_files: tuple[str, ...] = (),
+              after_load: Callable[[int | None], None] | None = None) -> int | None:
+        """Open the run directory for this incarnation: clean up after crashed ones, restore ``state`` from ``spec``
+        (None: start fresh), and retire checkpoints newer than the step the run continues from, so `latest` follows
+        this line. Returns the resumed step (None: fresh start)."""
+        local = not storage.is_remote(self.root)
+        if self.rank.is_main and local:
+            self._guard("clean up the run directory")
+            layout.recover(self.root, own_staging=layout.staging_dir(self.root, self.run_id, 0).parent.name, log=self.log)
+        step = self.load(spec, state) if spec else None
+        if after_load is not None:  # e.g. train.py refusing a flag the checkpoint cannot take: before anything moves
+            after_load(step)
+        if self.rank.is_main and local:
+            try:
+                layout.retire_newer(self.root, step or 0, keep_files=keep_files, guard=self._guard, log=self.log)
+            except OSError as e:
+                raise CheckpointError(f"cannot move the abandoned line's checkpoints aside under {self.root}: "
+                                      f"{e.strerror or e}") from None
+        return step
+
     # --- summary -------------------------------------------------------------------------------------------------
     def summary(self, run_seconds: float) -> str:
         blocked = sum(r.blocking_s for r in self.history)
@@ -276,3 +336,8 @@ class CheckpointManager:
     def close(self) -> None:
         self.wait()
         self.backend.close()
+        if self.rank.is_main and not storage.is_remote(self.root):
+            try:  # our staging folder, once empty (every save published)
+                layout.staging_dir(self.root, self.run_id, 0).parent.rmdir()
+            except OSError:
+                pass

@@ -43,8 +43,9 @@ from . import slurm
 from .walltime import DeadlineReader, WalltimePolicy
 
 # Votes, ordered by urgency: agreement is an all-reduce MAX.
-NONE, INTERVAL, WALLTIME, SIGNAL, TERM = 0, 1, 2, 3, 4
-REASONS = {NONE: "", INTERVAL: "interval", WALLTIME: "walltime", SIGNAL: "signal", TERM: "SIGTERM"}
+# FENCED: a newer incarnation owns the run directory (checkpoint/lease.py): stop WITHOUT saving.
+NONE, INTERVAL, WALLTIME, SIGNAL, TERM, FENCED = 0, 1, 2, 3, 4, 5
+REASONS = {NONE: "", INTERVAL: "interval", WALLTIME: "walltime", SIGNAL: "signal", TERM: "SIGTERM", FENCED: "fenced"}
 #: what train.py blocks before its (slow) imports, before it can import this module; released by SignalWatcher.install
 HELD_SIGNALS = {signal.SIGUSR1, signal.SIGUSR2}
 
@@ -193,7 +194,7 @@ class StepBoundary:
                  every_minutes: WallClockInterval | None = None, requeue: RequeueSettings | None = None,
                  environ: Mapping[str, str] = os.environ, log: Callable[[str], None] = print,
                  mono: Callable[[], float] = time.monotonic, step_sleep: float = 0.0,
-                 save_history: Sequence | None = None):
+                 save_history: Sequence | None = None, fenced: Callable[[], bool] | None = None):
         self.interval = interval
         self.agree = agree
         self.rank = rank
@@ -206,6 +207,7 @@ class StepBoundary:
         self.mono = mono
         self.step_sleep = step_sleep
         self.save_history = save_history  # CheckpointManager.history: SaveRecord(blocking_s, durable_s)
+        self.fenced = fenced  # rank 0: True once a newer incarnation has taken the run directory over
         self.stopped: Decision | None = None
         self.stop_step: int | None = None
         self._last = mono()
@@ -234,17 +236,20 @@ class StepBoundary:
                 self._walltime_note = self.walltime.explain()
         if self.every_minutes is not None and self.every_minutes.due():
             vote = max(vote, INTERVAL)
+        if self.fenced is not None and self.fenced():
+            vote = FENCED
         return vote
 
     def resolve(self, agreed: int, step: int) -> Decision:
         stop = agreed >= WALLTIME
-        save = self.interval.due(step) or agreed >= INTERVAL
+        save = (self.interval.due(step) or agreed >= INTERVAL) and agreed != FENCED
         decision = Decision(save=save, stop=stop, vote=agreed)
         if save and self.every_minutes is not None:
             self.every_minutes.reset()
         if stop and self.stopped is None:
             self.stopped, self.stop_step = decision, step
-            self.log(f"rank {self.rank}: saving and stopping at step {step}: {self._why(agreed)}")
+            what = "stopping" if agreed == FENCED else "saving and stopping"
+            self.log(f"rank {self.rank}: {what} at step {step}: {self._why(agreed)}")
         return decision
 
     def __call__(self, step: int) -> Decision:
@@ -265,6 +270,8 @@ class StepBoundary:
                 self.walltime.observe_save(max(r.blocking_s, r.durable_s))
 
     def _why(self, agreed: int) -> str:
+        if agreed == FENCED:
+            return "a newer incarnation took the run directory over; this one is fenced and saves nothing"
         if agreed in (SIGNAL, TERM):
             if self._my_signals:  # as of this rank's vote (one arriving during the all-reduce is logged later)
                 return f"received {', '.join(self._my_signals)}"
@@ -330,7 +337,7 @@ class StepBoundary:
 
 def from_args(args, *, rank: int, agree: Callable[[float], float], signals: SignalWatcher | None,
               log: Callable[[str], None], save_history: Sequence | None = None, start: float | None = None,
-              environ: Mapping[str, str] = os.environ) -> StepBoundary:
+              environ: Mapping[str, str] = os.environ, fenced: Callable[[], bool] | None = None) -> StepBoundary:
     """Build the step-boundary policy from train.py's flags. Walltime and the wall-clock interval are decided on rank 0
     (one ``squeue`` per job, not per rank); the all-reduce carries the decision to the others."""
     walltime = None
@@ -348,4 +355,4 @@ def from_args(args, *, rank: int, agree: Callable[[float], float], signals: Sign
     return StepBoundary(IntervalPolicy(args.checkpoint_frequency, args.training_steps), agree=agree, rank=rank,
                         signals=signals, walltime=walltime, every_minutes=every,
                         requeue=RequeueSettings(args.requeue, args.max_restarts), environ=environ, log=log,
-                        step_sleep=step_sleep, save_history=save_history)
+                        step_sleep=step_sleep, save_history=save_history, fenced=fenced)

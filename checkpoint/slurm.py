@@ -113,3 +113,17 @@ def requeue(target: str, timeout: float = 30.0) -> tuple[bool, str]:
         return False, f"`scontrol requeue {target}` failed (exit {proc.returncode}): " \
                       f"{(proc.stderr or proc.stdout).strip()[:300]}"
     return True, f"`scontrol requeue {target}` accepted"
+
+
+def job_running(job: str, timeout: float = 10.0) -> bool | None:
+    """Whether SLURM still runs ``job`` (pending, running, completing, suspended...). False once it has ended or SLURM no
+    longer knows it; None when SLURM cannot be asked (no squeue, slurmctld down): the caller must not conclude."""
+    try:
+        proc = run(["squeue", "-h", "-j", job, "-o", "%T"], timeout)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        return False if "Invalid job id" in (proc.stderr + proc.stdout) else None
+    states = proc.stdout.split()
+    return bool(states) and any(s not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+                                          "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE") for s in states)
