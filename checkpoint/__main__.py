@@ -32,8 +32,7 @@ def _targets(path: Path) -> list[layout.CheckpointInfo]:
 def cmd_list(path: Path) -> int:
     infos = layout.list_checkpoints(path)
     if not infos:
-        print(f"no checkpoints under {path}")
-        return 0
+        raise CheckpointError(f"no checkpoints under {path} (expected an experiment folder holding step-N folders)")
     latest = layout.resolve(path, "latest", warn=lambda m: None)
     print(f"{'step':>10}  {'size MiB':>9}  {'backend':<10} {'ranks':>5}  status")
     for info in infos:
@@ -70,7 +69,10 @@ def cmd_verify(path: Path) -> int:
 
 
 def cmd_inspect(path: Path) -> int:
-    info = _targets(path)[-1] if not path.is_file() else None
+    targets = _targets(path) if not path.is_file() else None
+    if targets == []:
+        raise CheckpointError(f"no checkpoints under {path} (expected a step-N folder or an experiment folder)")
+    info = targets[-1] if targets else None
     if info is not None:
         manifest = layout.verify(info.path)
         print(json.dumps({k: v for k, v in manifest.items() if k != "files"}, indent=1))
@@ -96,15 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("src", help="step folder, or experiment folder (its latest)")
     conv.add_argument("dst", help="experiment folder (result: DST/step-N) or a step-N folder")
     conv.add_argument("--to", required=True, choices=["vanilla", "dcp"])
-    args = p.parse_args(argv)
     try:
+        args = p.parse_args(argv)  # inside: an s3:// path without a bucket is a CheckpointError too
         if args.cmd == "convert":
             from .convert import convert
 
             convert(args.src, args.dst, args.to)
             return 0
+        if not args.path.exists():
+            raise CheckpointError(f"{args.path} does not exist")
         return {"list": cmd_list, "verify": cmd_verify, "inspect": cmd_inspect}[args.cmd](args.path)
-    except CheckpointError as e:
+    except (CheckpointError, OSError) as e:  # bad input is one line, never a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
 

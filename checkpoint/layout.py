@@ -27,6 +27,7 @@ from .errors import CheckpointError
 from .fsio import CHECKSUM_ALGORITHM, atomic_write_bytes, checksum_file, fault_point, fsync_dir  # noqa: F401
 
 FORMAT_VERSION = 1
+BACKEND_NAMES = ("vanilla", "concurrent", "dcp")  # = checkpoint.backends.BACKENDS (a test keeps them equal)
 STEP_DIR_RE = re.compile(r"^step-(\d{8,})$")
 MANIFEST = "manifest.json"
 COMMITTED = "COMMITTED"
@@ -208,7 +209,7 @@ def check_manifest(manifest, step_dir: Path) -> dict:
     fields = {
         "step": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
         "world_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-        "backend": (lambda v: isinstance(v, str) and v != "", "a backend name"),
+        "backend": (lambda v: v in BACKEND_NAMES, f"one of {', '.join(BACKEND_NAMES)}"),
         "checksum": (lambda v: isinstance(v, str) and v != "", "a checksum algorithm name"),
         "files": (lambda v: isinstance(v, dict), "an object of file name -> record"),
     }
@@ -374,17 +375,24 @@ def recover(root: Path, own_staging: str = "", log=print) -> None:
     root = Path(root)
     if not root.is_dir():
         return
+    removed = []
     for stage in sorted(p for p in root.iterdir() if p.name.startswith(STAGING_PREFIX) and p.name != own_staging):
         for staged in sorted(stage.iterdir()) if stage.is_dir() else []:
             m = STEP_DIR_RE.match(staged.name)
             if m and (staged / COMMITTED).exists() and not (root / staged.name).exists():
                 staged.rename(root / staged.name)
                 log(f"run directory: published {staged.name}, committed before a crash interrupted its replacement")
+            else:
+                removed.append(f"{stage.name}/{staged.name}")
         shutil.rmtree(stage, ignore_errors=True)
-    for p in root.iterdir():
+    for p in sorted(root.iterdir()):
         if p.name.startswith(TRASH_PREFIX) or (STEP_DIR_RE.match(p.name) and p.is_dir() and not (p / COMMITTED).exists()):
+            removed.append(p.name)
             shutil.rmtree(p, ignore_errors=True)
     fsync_dir(root)
+    if removed:
+        log(f"run directory: removed what interrupted saves left ({', '.join(removed)}); the committed checkpoints "
+            "are untouched")
 
 
 def _sweep_other_staging(root: Path, own_staging: str, guard: Callable[[str], None], log) -> None:

@@ -117,11 +117,12 @@ class CheckpointManager:
                     if staged:
                         layout.publish(step_dir, self.root, step, guard=self._guard, tag=self.run_id)
                     record.bytes = sum(r["size"] for p in parts for r in p["files"].values())
-            except Fenced as e:
-                self._note_fenced(e)
-                return
             except (OSError, CheckpointError) as e:
-                raise self._save_failed(step, step_dir, e) from None
+                error = self._save_failed(step, step_dir, e)
+                if isinstance(error, Fenced):  # e.g. the new owner swept our staging folder mid-write
+                    self._note_fenced(error)
+                    return
+                raise error from None
             record.durable_s = time.perf_counter() - t0
             self._log_save(record)
             if self.rank.is_main:
@@ -172,9 +173,12 @@ class CheckpointManager:
         step_dir.mkdir(parents=True)
 
     def _save_failed(self, step: int, step_dir: Path, e: OSError | CheckpointError) -> CheckpointError:
-        """Clean up after a failed save; the one-line error to raise."""
+        """Clean up after a failed save; the one-line error to raise (Fenced if a newer incarnation took over: then the
+        failure is a consequence of that, and nothing is cleaned up -- the run directory is no longer ours)."""
         if isinstance(e, Fenced):
             return e
+        if self.fenced:
+            return Fenced(self.lease.fenced_message)
         self._abandon(step_dir, e)
         return self._io_error(step, e) if isinstance(e, OSError) else e
 

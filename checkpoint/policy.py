@@ -10,9 +10,10 @@ same answer for the same step:
   stops when the time left is below the longest save so far + k x the moving step time + a margin;
 * **signals**: the handler only records the signal; ``--signal`` (default SIGUSR1, SLURM's usual warning) means "save,
   stop, requeue", SIGTERM always means "save and stop" (no requeue: SLURM is ending the job - time limit, preemption,
-  scancel).
+  scancel), and so does the first SIGINT (Ctrl-C; torchrun forwards it to every rank); a second SIGINT exits at once
+  with 130, no save.
 
-Each rank votes a code (0 nothing, 1 interval save, 2 walltime stop, 3 signal stop, 4 SIGTERM stop); one all-reduce MAX
+Each rank votes a code (0 nothing, 1 interval save, 2 walltime stop, 3 signal stop, 4 SIGTERM/INT stop); one all-reduce MAX
 per step makes them agree, so a signal that reached only one rank still stops all of them, at the same step, after
 the same save. Once a stop is decided the loop ends; later signals (a second USR1, SIGTERM after USR1, the SIGTERM
 SLURM sends after a requeue) are only recorded: they never start a second save nor interrupt the one in progress
@@ -20,7 +21,8 @@ SLURM sends after a requeue) are only recorded: they never start a second save n
 
 There are no data-loader worker processes (the loader is in-process), so no child can die of the signal before the
 save commits; the SLURM commands we start run with the signals blocked (checkpoint/slurm.py). A SIGTERM that arrives
-before the loop starts (nothing to save yet) exits at once with 143, as without a handler.
+before the loop starts (nothing to save yet) exits at once with 143, as without a handler; a SIGINT then, with 130 and
+one line instead of a KeyboardInterrupt traceback.
 
 After the loop, ``finish`` decides the exit: finished, stopped-and-requeued (rank 0 runs ``scontrol requeue`` once the
 checkpoint has committed; array-aware; bounded by ``--max-restarts`` vs ``SLURM_RESTART_COUNT``; never when training is
@@ -94,9 +96,19 @@ def parse_signal(text: str) -> int | None:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def _interrupted_now(what: str) -> None:
+    """Ctrl-C that cannot wait for a save: one line, exit 130 (128 + SIGINT) at once, no KeyboardInterrupt traceback.
+    os.write/os._exit: safe from a handler that may have interrupted a print, and nothing left to unwind or join."""
+    os.write(2, f"interrupted (SIGINT) {what}\n".encode())
+    os._exit(128 + signal.SIGINT)
+
+
 class SignalWatcher:
     """Records signals; the loop reads them at step boundaries. The handler does nothing else (no I/O, no locks), except
-    that SIGTERM before ``arm()`` (setup: nothing to save yet) exits at once with 143 like the default action."""
+    that SIGTERM before ``arm()`` (setup: nothing to save yet) exits at once with 143 like the default action.
+
+    SIGINT (Ctrl-C; torchrun forwards it to every rank) is SIGTERM's "save and stop, no requeue" in the loop. Before
+    ``arm()``, a second SIGINT, or one after the last save: exit at once with 130 and one line (``_interrupted_now``)."""
 
     def __init__(self, stop_signal: int | None):
         self.stop_signal = stop_signal
@@ -106,7 +118,7 @@ class SignalWatcher:
 
     @property
     def signals(self) -> set[int]:
-        return {signal.SIGTERM} | ({self.stop_signal} if self.stop_signal is not None else set())
+        return {signal.SIGTERM, signal.SIGINT} | ({self.stop_signal} if self.stop_signal is not None else set())
 
     def install(self) -> "SignalWatcher":
         for sig in sorted(self.signals):
@@ -120,18 +132,25 @@ class SignalWatcher:
         self.armed = True
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002
+        if signum == signal.SIGINT and not self.armed:
+            _interrupted_now("before training started: nothing to save yet")
+        if signum == signal.SIGINT and signal.SIGINT in self.received:
+            _interrupted_now("again: exiting now without saving; --resume-from-checkpoint latest continues from the "
+                             "last committed checkpoint")
         self.received.append(signum)
         if signum == signal.SIGTERM and not self.armed:
             raise SystemExit(128 + signal.SIGTERM)
 
     def release_term(self) -> None:
-        """After the last save: SIGTERM kills again (a process stuck in teardown must not outlive it)."""
+        """After the last save: SIGTERM kills again and SIGINT exits at once (a process stuck in teardown must not
+        outlive it)."""
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, lambda *_: _interrupted_now("after the last save: exiting now"))
 
     def vote(self) -> int:
         if not self.received:
             return NONE
-        return TERM if signal.SIGTERM in self.received else SIGNAL
+        return TERM if {signal.SIGTERM, signal.SIGINT} & set(self.received) else SIGNAL
 
     def new(self) -> list[str]:
         """Names of the signals received since the last call (for the log)."""
@@ -301,9 +320,16 @@ class StepBoundary:
                 self.signals.release_term()
         return outcome
 
+    def _interrupted(self) -> bool:
+        """Stopped by Ctrl-C (SIGINT: the user asked, not SLURM's SIGTERM), as this rank saw it."""
+        return (self.stopped is not None and self.stopped.vote == TERM and "SIGINT" in self._my_signals
+                and "SIGTERM" not in self._my_signals)
+
     def want_requeue(self) -> tuple[bool, str]:
         """Whether to requeue after this stop, and why (not)."""
         r = self.requeue
+        if self._interrupted():
+            return False, "interrupted (SIGINT)"
         if self.stopped is not None and self.stopped.vote == TERM:
             return False, "stopped by SIGTERM (SLURM is ending the job: time limit, preemption or scancel)"
         if r.enabled is False:
@@ -321,7 +347,9 @@ class StepBoundary:
     def _requeue(self, step: int, final_step: int) -> str:
         want, why = self.want_requeue()
         if not want:
-            self.log(f"stopped at step {step} of {final_step}, checkpoint committed; not requeueing: {why}")
+            self.log(f"interrupted (SIGINT) at step {step}: checkpoint step {step} committed; resume with "
+                     f"--resume-from-checkpoint latest (make train does)" if self._interrupted() else
+                     f"stopped at step {step} of {final_step}, checkpoint committed; not requeueing: {why}")
             return STOPPED
         target = slurm.requeue_target(self.environ)
         ok, message = slurm.requeue(target, timeout=self.requeue.timeout_s)
