@@ -33,6 +33,7 @@
 #                                      (--jit-checkpoint after a rank failure), requeue here, within MAX_RESTARTS
 #   4 stopped, state saved, no requeue (SIGTERM, --no-requeue, array task, max restarts) -> exit 0
 #   5 stopped, state saved, requeue failed (scontrol missing?) -> exit 5: resubmit with --continue
+#   6 fenced: a newer incarnation took the run directory over (one writer per run directory) -> exit 6
 #
 # ---------------------------------------------------------------------------------------------------------------------
 # Edit here: your cluster's defaults.
@@ -156,6 +157,7 @@ case $rc in
         ;;
     4) echo "stopped with the state saved, not requeued: resubmit with --continue (or the next array task resumes)"; exit 0 ;;
     5) echo "stopped with the state saved, but the requeue failed (see above): resubmit with --continue" >&2; exit 5 ;;
+    6) echo "fenced: a newer incarnation of this run owns the checkpoint directory; this one changed nothing" >&2; exit 6 ;;
     *) echo "training failed (exit $rc); the newest committed checkpoint is intact: fix the cause, resubmit with --continue" >&2
        exit "$rc" ;;
 esac
