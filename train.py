@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import math
 import os
 import random
@@ -25,6 +26,9 @@ if __name__ == "__main__":
     # action kills the process: hold USR1/USR2 pending until the stop policy's handlers exist (SignalWatcher.install
     # releases them, and a held signal is delivered to the handler then).
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
+    # Ctrl-C during the imports: nothing to save yet -- one line and 130 as SignalWatcher does later, no traceback.
+    signal.signal(signal.SIGINT, lambda *_: (os.write(2, b"interrupted (SIGINT) before training started: nothing to "
+                                                         b"save yet\n"), os._exit(128 + signal.SIGINT)))
     # One write() per line: ranks share the job's pipe, and under PYTHONUNBUFFERED (set by the SLURM script) print()
     # writes the text and its newline separately, so two ranks' lines could merge into one.
     for _stream in (sys.stdout, sys.stderr):
@@ -46,7 +50,7 @@ from checkpoint import lease as run_lease
 from checkpoint import policy as stop_policy
 from checkpoint.walltime import parse_walltime
 from dataset import DEFAULT_TOKENIZER, DataError, TrainLoader, load_token_windows, load_tokenizer
-from model import PRESETS, Transformer, flash_attention_problem, get_config
+from model import PRESETS, MemoryEstimate, Transformer, estimate_peak_memory, flash_attention_problem, get_config
 
 __version__ = "0.1.0"
 
@@ -57,7 +61,8 @@ EXIT_BAD_INPUT = 2
 # 3-5: stopped early with the state saved (a checkpoint committed); resuming from `latest` loses nothing.
 EXIT_REQUEUE = 3  # to be continued: requeued by train.py (SLURM signal/walltime stop), or --jit-checkpoint after a
 #                   rank failed (then the launcher reruns/requeues)
-EXIT_STOPPED = 4  # not requeued: SIGTERM, --no-requeue, job array task, --max-restarts reached, or not under SLURM
+EXIT_STOPPED = 4  # not requeued: SIGTERM, Ctrl-C (SIGINT; a second one exits at once with 130), --no-requeue, job
+#                   array task, --max-restarts reached, or not under SLURM
 EXIT_REQUEUE_FAILED = 5  # a requeue was due but failed (e.g. scontrol missing): resubmit to continue
 EXIT_FENCED = 6  # a newer incarnation took the run directory over (checkpoint/lease.py): this one changed nothing
 
@@ -274,23 +279,88 @@ def device_peak_flops(device: torch.device) -> float | None:
 
 
 def validate(args: argparse.Namespace, env: distributed.DistEnv):
-    """Everything that can be wrong with the user's input, checked before any collective or training time."""
-    for name in ("sequence_length", "batch_size", "training_steps"):
-        if getattr(args, name) <= 0:
-            raise BadInput(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    """Everything that can be wrong with the user's input, checked before any collective or training time: numbers
+    first (instant), then the memory the configuration needs (as soon as the tokenizer gives the vocabulary), then
+    the data (tokenizing may take minutes). Returns (tokenizer, windows, config, memory estimate)."""
+    check_numeric_flags(args)
     if args.use_flash_attention:
         problem = flash_attention_problem(env.device)
         if problem:
             raise BadInput(problem)
     tokenizer = load_tokenizer(args.tokenizer_name_or_path)
+    config = get_config(args.model, vocab_size=tokenizer.vocab_size, max_seq_len=args.sequence_length)
+    estimate = check_memory(args, env, config)
     windows = load_token_windows(args.dataset, tokenizer, args.sequence_length)
     if len(windows) < args.batch_size * env.world_size:
         raise BadInput(
             f"--sequence-length {args.sequence_length} leaves {len(windows)} samples in {args.dataset}, fewer than one "
             f"global batch ({args.batch_size} x {env.world_size} ranks); use a shorter sequence or a larger dataset"
         )
-    config = get_config(args.model, vocab_size=tokenizer.vocab_size, max_seq_len=args.sequence_length)
-    return tokenizer, windows, config
+    return tokenizer, windows, config, estimate
+
+
+# Every numeric flag: (dest, lowest allowed value, whether that value itself is allowed). Floats must also be finite.
+NUMERIC_FLAGS: tuple[tuple[str, float, bool], ...] = (
+    ("sequence_length", 1, True), ("batch_size", 1, True), ("seed", 0, True), ("learning_rate", 0, False),
+    ("lr_warmup_steps", 0, True), ("training_steps", 1, True), ("grad_max_norm", 0, True),
+    ("pg_timeout_seconds", 0, False), ("checkpoint_frequency", 0, True), ("max_async", 1, True),
+    ("max_kept_checkpoints", 0, True), ("keep_every", 0, True), ("walltime_margin_seconds", 0, True),
+    ("checkpoint_interval_minutes", 0, True), ("max_restarts", 0, True), ("logging_frequency", 1, True),
+    ("profile_step_start", 1, True), ("profile_step_end", 1, True),
+)
+
+
+def check_numeric_flags(args: argparse.Namespace) -> None:
+    """Refuse a non-finite or out-of-range number in one line, before anything is loaded."""
+    for dest, lowest, inclusive in NUMERIC_FLAGS:
+        value = getattr(args, dest, None)
+        if value is None:  # optional flag not given (e.g. --pg-timeout-seconds)
+            continue
+        flag = "--" + dest.replace("_", "-")
+        need = f"{'>=' if inclusive else '>'} {lowest:g}"
+        if isinstance(value, float) and not math.isfinite(value):
+            raise BadInput(f"{flag} {value} is not a finite number; give a number {need}")
+        if value < lowest or (value == lowest and not inclusive):
+            raise BadInput(f"{flag} {value:g} is out of range; give a number {need}")
+    if args.seed >= 2**63:
+        raise BadInput(f"--seed {args.seed} is too large; give a number below 2**63")
+    if args.profile and args.profile_step_end < args.profile_step_start:
+        raise BadInput(f"--profile-step-end {args.profile_step_end} is before --profile-step-start "
+                       f"{args.profile_step_start}; give an end step >= the start step")
+
+
+def check_memory(args: argparse.Namespace, env: distributed.DistEnv, config) -> MemoryEstimate:
+    """Refuse, in one line, a configuration whose estimated peak memory exceeds what the device has."""
+    parallel = args.parallel if env.distributed else "single"
+    estimate = estimate_peak_memory(config, args.batch_size, args.sequence_length, args.model_dtype, env.world_size,
+                                    parallel, env.device.type, "fused" if args.fused_optimizer else "default")
+    available, where = distributed.device_memory(env)
+    if available is not None and estimate.total > available:
+        def fits(batch: int, seq: int) -> bool:
+            return estimate_peak_memory(dataclasses.replace(config, max_seq_len=seq), batch, seq, args.model_dtype,
+                                        env.world_size, parallel, env.device.type,
+                                        "fused" if args.fused_optimizer else "default").total <= available
+
+        batch, low, high = None, 1, args.batch_size - 1  # the largest batch that fits (memory grows with the batch)
+        while low <= high:
+            mid = (low + high) // 2
+            if fits(mid, args.sequence_length):
+                batch, low = mid, mid + 1
+            else:
+                high = mid - 1
+        seq = args.sequence_length
+        while batch is None and seq > 1 and not fits(1, seq):
+            seq //= 2
+        hint = (f" (--batch-size {batch} fits)" if batch else
+                f" (--batch-size 1 with --sequence-length {seq} fits)" if seq > 1 and fits(1, seq) else
+                " (even --batch-size 1 --sequence-length 1 does not fit: use a smaller --model)")
+        raise BadInput(
+            f"--model {args.model} with --batch-size {args.batch_size} x --sequence-length {args.sequence_length} "
+            f"({args.model_dtype}) needs an estimated {estimate.describe()} per rank, but {where} "
+            f"{available / 2**20:,.1f} MiB; use a smaller --batch-size, --sequence-length or --model{hint}"
+            + (" or more ranks with --parallel fsdp" if env.device.type == "cuda" else "")
+        )
+    return estimate
 
 
 def check_checkpoint_flags(args: argparse.Namespace) -> None:
@@ -394,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     # Setup that can fail on bad input runs on every rank without collectives; then ranks agree.
     error, lease = None, None
     try:
-        tokenizer, windows, config = validate(args, env)
+        tokenizer, windows, config, memory_estimate = validate(args, env)
         check_checkpoint_flags(args)
         run_root = storage.as_path(args.checkpoint_dir) / args.experiment_name  # a local folder or s3://bucket/prefix
         if env.is_main:
@@ -417,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
 
     # --- model, optimizer, schedule, data ------------------------------------------------------------------------
+    log0(env, f"memory estimate: {memory_estimate.describe()} per rank on {env.device.type}")
+    peak_memory = distributed.PeakMemory(env)  # baseline: after imports and data loading
     seed_everything(args.seed)  # identical init on every rank
     model = Transformer(config, attention="flash" if args.use_flash_attention else "sdpa")
     model = model.to(device=env.device, dtype=distributed.param_dtype(args.model_dtype))
@@ -471,11 +543,12 @@ def main(argv: list[str] | None = None) -> int:
                                          after_load=reconcile)
         except (CheckpointError, DataError) as e:  # DataError: e.g. resharded to a global batch it does not fit
             reconcile(None)  # run_info loads first: a refused flag (another --model, ...) explains the failure best
-            say(f"error: {e}")
-            return EXIT_BAD_INPUT
+            raise BadInput(str(e)) from None
     except BadInput as e:  # every rank has the same flags and run_info.saved: all refuse here, none waits in a collective
         if env.is_main:
             say(f"error: {e}")
+            if lease is not None:
+                lease.release()  # nothing was changed: the next start need not wait for anything
         return EXIT_BAD_INPUT
     if args.resume_from_checkpoint:
         if resumed_step is None:
@@ -598,6 +671,8 @@ def main(argv: list[str] | None = None) -> int:
                     loss_csv.sync()
                 manager.save(train.step, state)
                 saved_at = train.step
+        except run_lease.Fenced:
+            pass  # a newer incarnation owns the run directory: the policy's next vote stops every rank, saving nothing
         except CheckpointError as e:  # e.g. disk full
             save_failed_at = on_save_error(args, e, train.step)
         if decision.stop:
@@ -631,6 +706,9 @@ def main(argv: list[str] | None = None) -> int:
     run_s = time.perf_counter() - t_start
     log0(env, f"done: {train.step} steps, final loss {loss_f:.4f}, "
               f"{(time.perf_counter() - t_loop):.1f}s in the loop")
+    measured = peak_memory.peak_growth()
+    log0(env, f"memory measured: {measured / 2**20:,.1f} MiB peak on rank 0 ({peak_memory.describe()}); estimate "
+              f"{memory_estimate.total / 2**20:,.1f} MiB ({100 * (memory_estimate.total / max(measured, 1) - 1):+.1f}%)")
     log0(env, manager.summary(run_s))
     outcome = policy.finish(train.step, args.training_steps)  # a stop before the end: rank 0 requeues (committed above)
     distributed.shutdown(env)

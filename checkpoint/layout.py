@@ -371,7 +371,8 @@ def publish(staged: Path, root: Path, step: int, *, guard: Callable[[str], None]
 def recover(root: Path, own_staging: str = "", log=print) -> None:
     """At start, by the new owner, before `latest` is resolved: finish a replacement a crash interrupted (publish a
     committed staged step whose step-N is missing), then remove what no incarnation can use any more: other staging
-    folders, trash, and uncommitted step folders (a save interrupted in place)."""
+    folders and trash. An uncommitted step folder (object storage, an older version, a lost marker) is left to `latest`
+    (skipped, named) and then to retirement or retention."""
     root = Path(root)
     if not root.is_dir():
         return
@@ -386,7 +387,7 @@ def recover(root: Path, own_staging: str = "", log=print) -> None:
                 removed.append(f"{stage.name}/{staged.name}")
         shutil.rmtree(stage, ignore_errors=True)
     for p in sorted(root.iterdir()):
-        if p.name.startswith(TRASH_PREFIX) or (STEP_DIR_RE.match(p.name) and p.is_dir() and not (p / COMMITTED).exists()):
+        if p.name.startswith(TRASH_PREFIX):
             removed.append(p.name)
             shutil.rmtree(p, ignore_errors=True)
     fsync_dir(root)

@@ -43,7 +43,7 @@ class Log(list):
 
 @pytest.fixture
 def restore_signals():
-    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)}
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)}
     yield
     for s, h in saved.items():
         signal.signal(s, h)
