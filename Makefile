@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make train      set up .venv, build the embedded dataset, train the 'small' preset ($(STEPS) steps, checkpoints)"
 	@echo "make test       the full test suite (pytest; real CLI, torchrun/gloo, SLURM and S3 where available)"
-	@echo "make faults K=N fault injection: K kill/resume trials in total over backends x 1,2 ranks (+ JIT); ARGS=\"--seed S --json F\""
+	@echo "make faults K=N fault injection: K kill/resume trials (every 4th an overlap: frozen run, takeover, fenced) over backends x 1,2 ranks (+ JIT); ARGS=\"--seed S --json F\""
 	@echo "make bench      checkpoint benchmark: markdown table + PNG in results/"
 
 $(VENV)/.installed: pyproject.toml

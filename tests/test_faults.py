@@ -67,7 +67,8 @@ def reference(corpus, tmp_path_factory) -> Path:
 
 def test_fault_injection_quick(corpus, tmp_path):
     """One trial per configuration (every registered backend x 1 and 2 ranks, + 2 ranks with --jit-checkpoint):
-    random and named-point SIGKILLs, resumes from `latest`; nothing lost, bit-exact finish."""
+    random and named-point SIGKILLs, resumes from `latest`; nothing lost, bit-exact finish. Trial 3 is an overlap:
+    a frozen incarnation, a refused second start, a --force-takeover one; the frozen one stops fenced."""
     from faults.harness import configurations, report, run_suite
 
     trials = len(configurations())
@@ -76,6 +77,7 @@ def test_fault_injection_quick(corpus, tmp_path):
     print(text)
     assert total.trials == trials
     assert total.kills >= trials // 2 and total.resumes >= 1  # a random kill may fall after a (short) run's end
+    assert total.overlaps >= 1 and total.refused_starts >= 1 and total.fenced_exits >= 1, text
     assert not total.violations(), text
 
 

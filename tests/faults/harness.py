@@ -28,6 +28,26 @@ what was seen before. Counted:
   tests/check_weights_equality.py --tolerance 0 --optimizer) or its loss CSV's deterministic columns differ -- must be 0;
 * unexpected exits (an attempt nobody killed exited non-zero) and unfinished trials                       -- must be 0.
 
+Trials are of two kinds (``--kinds``; with both, every ``OVERLAP_EVERY``-th trial is an overlap): ``kill`` (above) and
+``overlap``, two incarnations on one run directory (one writer per run directory, checkpoint/lease.py). The first
+attempt, incarnation A, is frozen (SIGSTOP on the launcher and every rank) at a random moment after a random step's
+loss row, often inside a save; a second start on the same folder without ``--force-takeover`` must be refused (exit 2,
+"is in use by"); then incarnation B starts with ``--force-takeover`` (as SLURM's requeued incarnation while a stale
+node's ranks live on), resumes from ``latest`` and trains a step or two (it may itself get the trial's first kill);
+then A is continued. A must stop without changing anything: exit 6 (fenced; under torchrun the workers' exit code 6),
+and no committed step folder carrying A's run id (part records) may appear that was not committed before B took over
+(nor may A log a commit of another step). B and the attempts after it are counted like any other attempt (resume from
+the newest checkpoint that verified while A was frozen, nothing lost), and the trial must end bit-identical. Counted:
+overlaps, starts refused while A was frozen, A's fenced exits, and
+
+* stale commits (A committed or published a checkpoint after the takeover), stale successes (A exited 0 although its
+  final checkpoint was not committed before the takeover), unrefused starts (the second start without
+  ``--force-takeover`` was not refused, or changed the folder)                                            -- must be 0.
+
+A save is staged in ``.staging-<run id>/step-N`` and renamed into place once committed: a staged step folder, like a
+temporary or trash file, is evidence of a kill inside a save; a committed staged copy whose ``step-N`` is missing (a
+kill between a replacement's two renames) is published by the next start, so it counts as valid for `latest` and loss.
+
 SIGKILL tests crash consistency of the *process*: data the kernel already has survives. Power loss (unsynced page
 cache dropped) is not simulated; the fsync ordering that covers it is in checkpoint/fsio.py and layout.commit.
 """
@@ -48,12 +68,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from helpers import PY, ROOT, TINY, check_weights, env_for_tests, loss_rows, torchrun_cmd
+from helpers import PY, ROOT, TINY, check_weights, csv_rows, env_for_tests, loss_rows, torchrun_cmd
 
 POINTS = ("after_write_before_fsync", "after_fsync_before_rename", "after_manifest_before_commit",
           "during_retention_delete")
 REQUIRED_ZERO = ("checkpoints_lost", "partial_resumes", "final_mismatches", "unexpected_exits", "unfinished_trials",
-                 "reference_failures")
+                 "reference_failures", "stale_commits", "stale_successes", "unrefused_starts")
+KINDS = ("kill", "overlap")
+OVERLAP_EVERY = 4  # with both kinds, trials 3, 7, 11, ... are overlaps (4 and the 7 configurations are coprime)
+EXIT_FENCED = 6  # train.py EXIT_FENCED
+EXIT_BAD_INPUT = 2  # train.py EXIT_BAD_INPUT: a start refused because the run directory is in use
 EXPERIMENT = "run"
 KEEP = 2
 ATTEMPT_TIMEOUT_S = 300.0
@@ -84,6 +108,13 @@ class Counters:
     unexpected_exits: int = 0
     unfinished_trials: int = 0
     reference_failures: int = 0
+    overlaps: int = 0  # overlap trials in which A was frozen alive and B took over
+    overlaps_in_save: int = 0  # ... with A frozen inside a save (a staged step folder, temporary or trash files)
+    refused_starts: int = 0  # starts without --force-takeover refused while A was frozen
+    fenced_exits: int = 0  # A stopped fenced (exit 6) after it was continued
+    stale_commits: int = 0
+    stale_successes: int = 0
+    unrefused_starts: int = 0
     kills_by_kind: dict = field(default_factory=dict)
 
     def add(self, other: "Counters") -> None:
@@ -176,6 +207,17 @@ class Run:
         for pid in _attempt_pids(self.tag):
             self.kill(pid)
 
+    def signal_all(self, sig: int) -> int:
+        """Send ``sig`` to the launcher and every rank (SIGSTOP: a stale node frozen; SIGCONT: it wakes up)."""
+        sent = 0
+        for pid in _attempt_pids(self.tag):
+            try:
+                os.kill(pid, sig)
+                sent += 1
+            except ProcessLookupError:
+                pass
+        return sent
+
     def wait(self, timeout: float = ATTEMPT_TIMEOUT_S) -> int:
         try:
             rc = self.proc.wait(timeout=timeout)
@@ -196,10 +238,10 @@ class Run:
         return rc
 
 
-def train_cmd(cfg: Config, dataset: str, ckpt_dir: Path, steps: int) -> list[str]:
+def train_cmd(cfg: Config, dataset: str, ckpt_dir: Path, steps: int, *extra: str) -> list[str]:
     args = [*TINY, "--dataset", dataset, "--training-steps", str(steps), "--checkpoint-frequency", "1",
             "--max-kept-checkpoints", str(KEEP), "--checkpoint-dir", str(ckpt_dir), "--experiment_name", EXPERIMENT,
-            "--checkpoint-backend", cfg.backend, "--log-loss-to-csv", "--resume-from-checkpoint", "latest"]
+            "--checkpoint-backend", cfg.backend, "--log-loss-to-csv", "--resume-from-checkpoint", "latest", *extra]
     if cfg.jit:
         args += ["--jit-checkpoint", "--pg-timeout-seconds", "30"]
     if cfg.world_size == 1:
@@ -214,12 +256,32 @@ def train_cmd(cfg: Config, dataset: str, ckpt_dir: Path, steps: int) -> list[str
 class Scan:
     valid: set[int] = field(default_factory=set)
     committed_invalid: dict[int, str] = field(default_factory=dict)
-    uncommitted: set[tuple[str, int, int]] = field(default_factory=set)  # (name, inode, mtime_ns)
+    # uncommitted step folders, and every staged one (.staging-<run id>/step-N: a save not yet published), as
+    # (name, inode, mtime_ns)
+    uncommitted: set[tuple[str, int, int]] = field(default_factory=set)
     debris: set[str] = field(default_factory=set)  # temporary files and trash folders
+    # committed staged copies whose step-N is missing (a kill between a replacement's two renames): the next start
+    # publishes them (layout.recover), so `latest` will find them
+    publishable: set[int] = field(default_factory=set)
 
     @property
     def newest_valid(self) -> int | None:
         return max(self.valid) if self.valid else None
+
+    @property
+    def newest_resumable(self) -> int | None:
+        """The step the next `--resume-from-checkpoint latest` must resume from."""
+        steps = self.valid | self.publishable
+        return max(steps) if steps else None
+
+
+def _staged_folders(root: Path) -> list[Path]:
+    from checkpoint import layout
+
+    if not root.is_dir():
+        return []
+    return sorted(p for stage in root.glob(f"{layout.STAGING_PREFIX}*") if stage.is_dir() for p in stage.iterdir()
+                  if layout.STEP_DIR_RE.match(p.name) and p.is_dir())
 
 
 def scan(root: Path) -> Scan:
@@ -237,11 +299,53 @@ def scan(root: Path) -> Scan:
         else:
             st = info.path.stat()
             s.uncommitted.add((info.path.name, st.st_ino, st.st_mtime_ns))
+    for staged in _staged_folders(root):
+        try:
+            st = staged.stat()
+        except FileNotFoundError:
+            continue
+        s.uncommitted.add((str(staged.relative_to(root)), st.st_ino, st.st_mtime_ns))
+        step = int(layout.STEP_DIR_RE.match(staged.name).group(1))
+        if (staged / layout.COMMITTED).exists() and not (root / staged.name).exists():
+            try:
+                layout.verify(staged)
+                s.publishable.add(step)
+            except CheckpointError:
+                pass
     if root.is_dir():
         for p in root.rglob(".*"):
+            if p.relative_to(root).parts[0] == ".owner":  # the lease's own temporary files are not a save's
+                continue
             if ".tmp-" in p.name or p.name.startswith(".trash-"):
                 s.debris.add(str(p.relative_to(root)))
     return s
+
+
+def committed_folders(root: Path) -> dict[int, tuple[str, int, frozenset[str]]]:
+    """Every committed step folder under ``root`` -- published, staged, retired -- by inode (a rename keeps it):
+    (path relative to root, step, the run ids of its part records)."""
+    from checkpoint import layout
+
+    found: dict[int, tuple[str, int, frozenset[str]]] = {}
+    if not root.is_dir():
+        return found
+    folders = [i.path for i in layout.list_checkpoints(root)] + _staged_folders(root)
+    folders += [p for p in (root / layout.RETIRED_DIR).glob("*/step-*") if p.is_dir()]
+    for folder in folders:
+        try:
+            if not (folder / layout.COMMITTED).exists():
+                continue
+            ids = set()
+            for part in folder.glob("part-rank-*.json"):
+                try:
+                    ids.add(json.loads(part.read_text()).get("run_id", ""))
+                except (OSError, ValueError):
+                    ids.add("?")
+            m = layout.STEP_DIR_RE.match(folder.name)
+            found[folder.stat().st_ino] = (str(folder.relative_to(root)), int(m.group(1)) if m else -1, frozenset(ids))
+        except FileNotFoundError:  # moved or deleted meanwhile
+            continue
+    return found
 
 
 # --- reference and trials --------------------------------------------------------------------------------------------
@@ -279,89 +383,248 @@ def _pick_n(point: str, saves_left: int, ref: Reference, rng: random.Random) -> 
     return rng.randint(1, max(1, saves_left * per_save))
 
 
+def _random_kill(run: Run, cfg: Config, rng: random.Random, delay: float) -> str | None:
+    """SIGKILL ``run`` after ``delay`` seconds unless it ends first. With 2 ranks either one rank (torchrun then tears
+    the others down) or the whole job (node loss). Returns the kind of kill, None if the run ended first."""
+    try:
+        run.proc.wait(timeout=delay)
+        return None
+    except subprocess.TimeoutExpired:
+        pass
+    if cfg.world_size > 1 and (cfg.jit or rng.random() < 0.5):
+        return "random-rank" if run.kill(rng.choice(run.worker_pids())) else None
+    run.kill_all()
+    return "random" if cfg.world_size == 1 else "random-job"
+
+
+def _staging_ids(root: Path) -> set[str]:
+    """Run ids of the incarnations with a staging folder in ``root`` (.staging-<run id>)."""
+    from checkpoint import layout
+
+    if not root.is_dir():
+        return set()
+    return {p.name[len(layout.STAGING_PREFIX):] for p in root.glob(f"{layout.STAGING_PREFIX}*")}
+
+
+def _worker_exit(out: str, code: int) -> bool:
+    """torchrun exits 1 whatever its workers returned; their exit codes are only in its failure summary."""
+    return re.search(rf"exitcode\s*:\s*{code}\b", out) is not None
+
+
 def run_trial(cfg: Config, ref: Reference, dataset: str, base: Path, steps: int, rng: random.Random, max_kills: int,
-              log: Callable[[str], None], keep: bool = False) -> Counters:
+              log: Callable[[str], None], keep: bool = False, kind: str = "kill") -> Counters:
     c = Counters(trials=1)
     trial_dir = base / f"trial-{rng.getrandbits(32):08x}"
     exp = trial_dir / EXPERIMENT
-    kills_planned = rng.randint(1, max_kills)
+    overlap = kind == "overlap"
+    kills_planned = rng.randint(0 if overlap else 1, max_kills)  # an overlap's frozen incarnation is interruption enough
     prev = scan(exp)
     known_valid: set[int] = set()
     finished = False
     notes: list[str] = []
-    for _attempt in range(kills_planned + 4):
-        c.attempts += 1
-        start = prev.newest_valid or 0
-        kind = None
-        env: dict[str, str] = {}
-        if c.kills < kills_planned:
-            kind = "random" if rng.random() < 0.5 else rng.choice(POINTS)
-        if kind in POINTS:
-            env["PYRECOVER_FAULT"] = f"{kind}:{_pick_n(kind, steps - start, ref, rng)}"
-        run = Run(train_cmd(cfg, dataset, trial_dir, steps), env)
-        killed_by_us = None
-        if kind == "random":
-            run.loop_started.wait(timeout=ATTEMPT_TIMEOUT_S)
-            delay = rng.uniform(0, ref.step_s * (steps - start))
-            try:
-                run.proc.wait(timeout=delay)
-            except subprocess.TimeoutExpired:
-                if cfg.world_size > 1 and (cfg.jit or rng.random() < 0.5):
-                    pids = run.worker_pids()
-                    if run.kill(rng.choice(pids)):
-                        killed_by_us = "random-rank"
-                else:
-                    run.kill_all()
-                    killed_by_us = "random" if cfg.world_size == 1 else "random-job"
-        rc = run.wait()
-        out = run.output
+    overlap_notes: list[str] = []
+
+    def save_log(run: Run, rc: int, label: str, killed_by_us: str | None, n: int | None = None) -> None:
         if keep:
             trial_dir.mkdir(parents=True, exist_ok=True)
-            (trial_dir / f"attempt-{c.attempts}-{kind or 'none'}-{env.get('PYRECOVER_FAULT', '')}.log").write_text(
-                f"exit {rc}, killed by the harness: {killed_by_us}\n{out}")
-        cur = scan(exp)
-        fault_hits = re.findall(r"\[fault\] SIGKILL at (\w+)", out)
-        killed = killed_by_us or (fault_hits[0] if fault_hits else None)
+            (trial_dir / f"attempt-{n or c.attempts}-{label}.log").write_text(
+                f"exit {rc}, killed by the harness: {killed_by_us}\n{run.output}")
 
-        # resumed from the newest valid checkpoint seen before this attempt?
+    def check_resume(out: str, before: Scan) -> None:
+        """Resumed from the newest checkpoint that verified before the attempt (or one its start publishes)?"""
+        expected = before.newest_resumable
         m = re.search(r"resumed from \S+ \(step (\d+)", out)
         if m:
             c.resumes += 1
-            if int(m.group(1)) != prev.newest_valid:
+            if int(m.group(1)) != expected:
                 c.partial_resumes += 1
-                notes.append(f"resumed from step {m.group(1)} but the newest valid checkpoint was {prev.newest_valid}")
-        elif "no checkpoint found" in out and prev.newest_valid is not None:
+                notes.append(f"resumed from step {m.group(1)} but the newest valid checkpoint was {expected}")
+        elif "no checkpoint found" in out and expected is not None:
             c.partial_resumes += 1
-            notes.append(f"started fresh although step {prev.newest_valid} was a valid checkpoint")
-        c.jit_saves += len(re.findall(r"jit: rank \d+ saved step", out))
+            notes.append(f"started fresh although step {expected} was a valid checkpoint")
 
-        # nothing committed may be lost
+    def check_lost(cur: Scan, before: Scan) -> None:
+        """Nothing committed may be lost."""
+        nonlocal known_valid
         for step, why in cur.committed_invalid.items():
-            if prev.committed_invalid.get(step) != why:
+            if before.committed_invalid.get(step) != why:
                 c.checkpoints_lost += 1
                 notes.append(f"committed checkpoint step {step} fails verification: {why}")
-        for step in sorted(known_valid - cur.valid):
-            if not any(s > step for s in cur.valid):
+        usable = cur.valid | cur.publishable
+        for step in sorted(known_valid - usable):
+            if not any(s > step for s in usable):
                 c.checkpoints_lost += 1
                 notes.append(f"checkpoint step {step} verified earlier and is now gone/invalid; newest valid "
-                             f"{cur.newest_valid}")
-        known_valid = set(cur.valid)
+                             f"{cur.newest_resumable}")
+        known_valid = set(usable)
 
+    def account(run: Run, rc: int, killed_by_us: str | None, before: Scan, cur: Scan) -> str:
+        """Count one attempt that found the folder as ``before`` and left it as ``cur``: finished, killed or failed."""
+        out = run.output
+        check_resume(out, before)
+        c.jit_saves += len(re.findall(r"jit: rank \d+ saved step", out))
+        check_lost(cur, before)
+        fault_hits = re.findall(r"\[fault\] SIGKILL at (\w+)", out)
+        killed = killed_by_us or (fault_hits[0] if fault_hits else None)
         if killed:
             c.kills += 1
             c.kills_by_kind[killed] = c.kills_by_kind.get(killed, 0) + 1
-            if fault_hits or (cur.uncommitted - prev.uncommitted) or (cur.debris - prev.debris):
+            if fault_hits or (cur.uncommitted - before.uncommitted) or (cur.debris - before.debris):
                 c.kills_in_save += 1
-        elif rc == 0 and f"done: {steps} steps" in out:
-            finished = True
-        elif run.hung:
-            c.unexpected_exits += 1
+            return "killed"
+        if rc == 0 and f"done: {steps} steps" in out:
+            return "finished"
+        c.unexpected_exits += 1
+        if run.hung:
             notes.append(f"attempt hung for {ATTEMPT_TIMEOUT_S:.0f}s; last output: {out[-1500:]}")
         else:
-            c.unexpected_exits += 1
             notes.append(f"attempt exited {rc} without being killed; last output:\n{out[-2500:]}")
+        return "failed"
+
+    def overlap_attempt(fault: str | None) -> tuple[str, Scan]:
+        """Incarnation A frozen alive, a plain second start refused, B takes over with --force-takeover, A continued:
+        A must stop fenced without changing anything. Returns B's outcome (A's if it ended before the freeze)."""
+        no_slurm = {"SLURM_JOB_ID": ""}  # a job id shared with the harness's own job would make the 2nd start a requeue
+        c.attempts += 1
+        a = Run(train_cmd(cfg, dataset, trial_dir, steps), no_slurm)
+        runs = [a]
+        try:
+            # Freeze after a random step's loss row (A's save of that step starts right after it) and a random part
+            # of a step more: inside a save or between saves. A has a staging folder by then: its run id.
+            a.loop_started.wait(timeout=ATTEMPT_TIMEOUT_S)
+            row = rng.randint(1, max(1, steps - 1))
+            deadline = time.monotonic() + ATTEMPT_TIMEOUT_S
+            while a.running() and time.monotonic() < deadline and not (
+                    csv_rows(exp / "loss.csv") >= row and _staging_ids(exp)):
+                time.sleep(0.005)
+            try:
+                a.proc.wait(timeout=rng.uniform(0, ref.step_s / 2))
+            except subprocess.TimeoutExpired:
+                a.signal_all(signal.SIGSTOP)
+            time.sleep(0.2)  # the reader takes in what A wrote before it stopped
+            if not a.running():  # A ended before the freeze: an ordinary attempt
+                rc = a.wait()
+                save_log(a, rc, "overlap-A-ended-before-the-freeze", None)
+                overlap_notes.append("A ended before it could be frozen")
+                cur = scan(exp)
+                return account(a, rc, None, prev, cur), cur
+            n_frozen = len(a.lines)
+            a_ids = _staging_ids(exp)
+            frozen = scan(exp)
+            frozen_committed = committed_folders(exp)
+            check_resume(a.output, prev)
+            check_lost(frozen, prev)
+            c.overlaps += 1
+            in_save = bool(frozen.uncommitted or frozen.debris)
+            c.overlaps_in_save += in_save
+            overlap_notes.append(f"A frozen after loss row {csv_rows(exp / 'loss.csv')}"
+                                 f"{' inside a save' if in_save else ''}")
+
+            # 1. a start without --force-takeover while A lives: refused in one line, the folder unchanged
+            second = Run(train_cmd(cfg, dataset, trial_dir, steps), no_slurm)
+            runs.append(second)
+            rc2 = second.wait()
+            save_log(second, rc2, "overlap-second-start-while-A-frozen", None)
+            out2 = second.output
+            errors = [ln for ln in out2.splitlines() if ln.startswith("error:")]
+            refused = (rc2 == EXIT_BAD_INPUT or (cfg.world_size > 1 and rc2 != 0 and _worker_exit(out2, EXIT_BAD_INPUT))
+                       ) and len(errors) == 1 and "is in use by" in errors[0]
+            unchanged = scan(exp) == frozen and committed_folders(exp) == frozen_committed
+            if refused and unchanged:
+                c.refused_starts += 1
+                overlap_notes.append("2nd start refused")
+            else:
+                c.unrefused_starts += 1
+                notes.append(f"a second start without --force-takeover while A was alive exited {rc2}"
+                             f"{'' if unchanged else ' and changed the run directory'}; output:\n{out2[-2000:]}")
+
+            # 2. B takes over (a requeued incarnation) and trains a step or two while A is still frozen; it may get
+            # this attempt's kill: a named point (n over the writes of B's run) now, or a random one once A is continued
+            env: dict[str, str] = {}
+            if fault in POINTS:
+                env["PYRECOVER_FAULT"] = f"{fault}:{_pick_n(fault, steps - (frozen.newest_resumable or 0), ref, rng)}"
+            c.attempts += 1
+            b = Run(train_cmd(cfg, dataset, trial_dir, steps, "--force-takeover"), env)
+            runs.append(b)
+            b.loop_started.wait(timeout=ATTEMPT_TIMEOUT_S)
+            m = re.search(r"resumed from \S+ \(step (\d+)", b.output)
+            b_start = int(m.group(1)) if m else 0
+            target = min(steps, b_start + rng.randint(1, 2))
+            deadline = time.monotonic() + ATTEMPT_TIMEOUT_S
+            while b.running() and csv_rows(exp / "loss.csv") < target and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+            # 3. A wakes up while B trains (or after B ended); B may get this attempt's kill meanwhile
+            a.signal_all(signal.SIGCONT)
+            killed_by_us = None
+            if fault == "random":
+                left = max(0.5, steps - csv_rows(exp / "loss.csv"))
+                killed_by_us = _random_kill(b, cfg, rng, rng.uniform(0, ref.step_s * left))
+            rc_a = a.wait()
+            rc_b = b.wait()
+            save_log(a, rc_a, "overlap-A-frozen-then-continued", None, n=c.attempts - 1)
+            save_log(b, rc_b, f"overlap-B-force-takeover-{fault or 'none'}-{env.get('PYRECOVER_FAULT', '')}", killed_by_us)
+            cur = scan(exp)
+
+            # A: fenced, exit 6, no commit after the takeover
+            post = "".join(a.lines[n_frozen:])
+            fenced = "fenced" in post and (rc_a == EXIT_FENCED or (
+                cfg.world_size > 1 and rc_a != 0 and _worker_exit(post, EXIT_FENCED)))
+            a_before = {step for _, step, ids in frozen_committed.values() if ids & a_ids}
+            if fenced:
+                c.fenced_exits += 1
+                overlap_notes.append("A fenced")
+            elif rc_a == 0 and steps in a_before:
+                overlap_notes.append("A had committed its final step before the takeover and exited 0")
+            elif rc_a == 0:
+                c.stale_successes += 1
+                notes.append(f"A exited 0 after B took over (its final step was not committed before); output "
+                             f"after it was continued:\n{post[-2000:]}")
+            else:
+                c.unexpected_exits += 1
+                notes.append(f"A exited {rc_a} after B took over, not fenced (exit {EXIT_FENCED}); output after it "
+                             f"was continued:\n{post[-2500:]}")
+            stale: dict[int, str] = {}
+            for ino, (rel, step, ids) in committed_folders(exp).items():
+                if ids & a_ids and ino not in frozen_committed:
+                    stale[step] = f"{rel} (part records of A's run {sorted(ids & a_ids)[0]}) committed after B took over"
+            for s in map(int, re.findall(r"checkpoint step (\d+) committed", post)):
+                if s not in a_before and s not in stale:
+                    stale[s] = f"A logged a commit of step {s} after B took over"
+            c.stale_commits += len(stale)
+            notes.extend(stale.values())
+            return account(b, rc_b, killed_by_us, frozen, cur), cur
+        finally:  # in any case, no process of A (nor of the other starts) outlives the trial
+            for r in runs:
+                if r.running() or _attempt_pids(r.tag):
+                    r.signal_all(signal.SIGCONT)
+                    r.kill_all()
+                    r.wait()
+
+    for attempt in range(kills_planned + 4):
+        start = prev.newest_resumable or 0
+        fault = None
+        env: dict[str, str] = {}
+        if c.kills < kills_planned:
+            fault = "random" if rng.random() < 0.5 else rng.choice(POINTS)
+        if overlap and attempt == 0:
+            status, cur = overlap_attempt(fault)
+        else:
+            if fault in POINTS:
+                env["PYRECOVER_FAULT"] = f"{fault}:{_pick_n(fault, steps - start, ref, rng)}"
+            c.attempts += 1
+            run = Run(train_cmd(cfg, dataset, trial_dir, steps), env)
+            killed_by_us = None
+            if fault == "random":
+                run.loop_started.wait(timeout=ATTEMPT_TIMEOUT_S)
+                killed_by_us = _random_kill(run, cfg, rng, rng.uniform(0, ref.step_s * (steps - start)))
+            rc = run.wait()
+            save_log(run, rc, f"{fault or 'none'}-{env.get('PYRECOVER_FAULT', '')}", killed_by_us)
+            cur = scan(exp)
+            status = account(run, rc, killed_by_us, prev, cur)
         prev = cur
-        if finished or (not killed and rc != 0):
+        finished = status == "finished"
+        if status != "killed":
             break
     if not finished:
         c.unfinished_trials += 1
@@ -375,7 +638,8 @@ def run_trial(cfg: Config, ref: Reference, dataset: str, base: Path, steps: int,
             notes.append(f"final state differs from the reference: weights rc={cw.returncode} "
                          f"{(cw.stdout + cw.stderr).strip()[-600:]}; loss rows {'equal' if same_loss else 'DIFFER'}")
     kinds = ",".join(f"{k}x{v}" if v > 1 else k for k, v in c.kills_by_kind.items()) or "none"
-    log(f"  {cfg.name:<16} kills {c.kills} ({kinds}), in save {c.kills_in_save}, resumes {c.resumes}"
+    log(f"  {cfg.name:<16} {'overlap: ' + ', '.join(overlap_notes) + '; ' if overlap else ''}"
+        f"kills {c.kills} ({kinds}), in save {c.kills_in_save}, resumes {c.resumes}"
         f"{f', jit saves {c.jit_saves}' if cfg.jit else ''} -> "
         f"{'OK' if not c.violations() else 'FAIL'}")
     for n in notes:
@@ -399,17 +663,30 @@ def configurations(backends: list[str] | None = None, world_sizes: tuple[int, ..
     return configs
 
 
+def trial_kind(i: int, kinds: tuple[str, ...] = KINDS) -> str:
+    """The kind of trial ``i``: with both kinds every OVERLAP_EVERY-th trial is an overlap (the first is trial 3, so a
+    quick run of 7+ trials has one), the others kill."""
+    if set(kinds) == set(KINDS):
+        return "overlap" if i % OVERLAP_EVERY == OVERLAP_EVERY - 1 else "kill"
+    return kinds[0]
+
+
 def run_suite(trials: int, seed: int, dataset: str, workdir: Path, *, steps: int = 5, max_kills: int = 2,
               backends: list[str] | None = None, world_sizes: tuple[int, ...] = (1, 2), jit: bool = True,
-              keep: bool = False, log: Callable[[str], None] = print) -> tuple[Counters, dict[str, Counters], float]:
+              keep: bool = False, kinds: tuple[str, ...] = KINDS,
+              log: Callable[[str], None] = print) -> tuple[Counters, dict[str, Counters], float]:
     t0 = time.monotonic()
+    unknown = set(kinds) - set(KINDS)
+    if unknown or not kinds:
+        raise ValueError(f"trial kinds {sorted(unknown) or '(none)'}: choose from {', '.join(KINDS)}")
     rng = random.Random(seed)
     configs = configurations(backends, world_sizes, jit)
     per_config = {cfg.name: Counters() for cfg in configs}
     refs: dict[str, Reference] = {}
     workdir.mkdir(parents=True, exist_ok=True)
     log(f"fault injection: {trials} trials over {len(configs)} configurations ({', '.join(per_config)}), "
-        f"{steps} steps each, saving every step, seed {seed}")
+        f"{steps} steps each, saving every step, seed {seed}; trial kinds: {', '.join(kinds)}"
+        f"{f' (every {OVERLAP_EVERY}th trial an overlap)' if len(set(kinds)) > 1 else ''}")
     from checkpoint.backends import BACKENDS
 
     ref_backend = "vanilla" if "vanilla" in BACKENDS else next(iter(BACKENDS))
@@ -428,30 +705,41 @@ def run_suite(trials: int, seed: int, dataset: str, workdir: Path, *, steps: int
         cfg = configs[i % len(configs)]
         if not refs[cfg.name].ok:
             continue
-        per_config[cfg.name].add(run_trial(cfg, refs[cfg.name], dataset, workdir, steps, rng, max_kills, log, keep))
+        kind = trial_kind(i, kinds)
+        per_config[cfg.name].add(run_trial(cfg, refs[cfg.name], dataset, workdir, steps, rng, max_kills, log, keep,
+                                           kind=kind))
     total = Counters()
     for c in per_config.values():
         total.add(c)
     return total, per_config, time.monotonic() - t0
 
 
-def report(total: Counters, per_config: dict[str, Counters], seconds: float, seed: int, trials: int) -> str:
+def report(total: Counters, per_config: dict[str, Counters], seconds: float, seed: int, trials: int,
+           kinds: tuple[str, ...] = KINDS) -> str:
     cols = ("trials", "kills", "kills_in_save", "resumes", "jit_saves", "checkpoints_lost", "partial_resumes",
-            "final_mismatches", "unexpected_exits", "unfinished_trials")
+            "final_mismatches", "unexpected_exits", "unfinished_trials", "overlaps", "fenced_exits", "stale")
     heads = ("trials", "kills", "in save", "resumes", "jit saves", "lost", "partial resumes", "mismatches",
-             "unexpected", "unfinished")
+             "unexpected", "unfinished", "overlaps", "fenced", "stale")
+
+    def value(c: Counters, k: str) -> int:  # stale: commits and successes of a fenced incarnation, both must be 0
+        return c.stale_commits + c.stale_successes if k == "stale" else getattr(c, k)
+
     width = max(len(n) for n in [*per_config, "total"]) + 2
     lines = [f"{'configuration':<{width}}" + " ".join(f"{h:>{max(len(h), 6)}}" for h in heads)]
     for name, c in [*per_config.items(), ("total", total)]:
-        lines.append(f"{name:<{width}}" + " ".join(f"{getattr(c, k):>{max(len(h), 6)}}" for k, h in zip(cols, heads)))
-    kinds = ", ".join(f"{k} {v}" for k, v in sorted(total.kills_by_kind.items())) or "none"
+        lines.append(f"{name:<{width}}" + " ".join(f"{value(c, k):>{max(len(h), 6)}}" for k, h in zip(cols, heads)))
+    by_kind = ", ".join(f"{k} {v}" for k, v in sorted(total.kills_by_kind.items())) or "none"
     v = total.violations()
     lines += [
-        f"kills by kind: {kinds}",
+        f"kills by kind: {by_kind}",
         f"trials {total.trials}, kills {total.kills}, kills inside a save {total.kills_in_save}, resumes "
         f"{total.resumes}, checkpoints lost {total.checkpoints_lost}, resumes from a partial checkpoint "
         f"{total.partial_resumes}, final-weight mismatches {total.final_mismatches}",
+        f"overlaps {total.overlaps} (A frozen inside a save {total.overlaps_in_save}): second starts refused "
+        f"{total.refused_starts}, not refused {total.unrefused_starts}; A fenced (exit {EXIT_FENCED}) "
+        f"{total.fenced_exits}; stale commits {total.stale_commits}, stale successes {total.stale_successes}",
         f"{'PASS' if not v else 'FAIL: ' + ', '.join(f'{k}={n}' for k, n in v.items())} "
-        f"({seconds:.0f}s; reproduce with: python -m tests.faults --trials {trials} --seed {seed})",
+        f"({seconds:.0f}s; reproduce with: python -m tests.faults --trials {trials} --seed {seed}"
+        f"{'' if tuple(kinds) == KINDS else ' --kinds ' + ','.join(kinds)})",
     ]
     return "\n".join(lines)
