@@ -112,6 +112,108 @@ def param_dtype(dtype_name: str) -> torch.dtype:
     return torch.float64 if dtype_name == "fp64" else torch.float32
 
 
+def _proc_kib(path: str, keys: tuple[str, ...]) -> dict[str, int]:
+    """`Key:   123 kB` lines of a /proc file (meminfo, self/status) -> {key: bytes}; missing keys are absent."""
+    out: dict[str, int] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in keys and rest.split():
+                    out[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def _ranks_on_this_node(env: DistEnv) -> int:
+    """How many ranks share this node's memory (CPU training: every rank is a process in the same RAM)."""
+    if not env.distributed:
+        return 1
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
+        m = re.match(r"\d+", os.environ.get(name, ""))  # SLURM: "2(x3)" = 2 tasks on each of 3 nodes
+        if m and int(m.group()) > 0:
+            return int(m.group())
+    return env.world_size
+
+
+def device_memory(env: DistEnv) -> tuple[int | None, str]:
+    """Memory one rank can use on its device, in bytes (None: unknown), and where that figure comes from.
+
+    CUDA: free memory of the rank's GPU (torch.cuda.mem_get_info). CPU: MemAvailable from /proc/meminfo (else total
+    RAM from os.sysconf), capped by a cgroup v2 memory limit, divided among the ranks on this node.
+    """
+    if env.device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(env.device)
+        return int(free), f"GPU {env.device.index} ({torch.cuda.get_device_name(env.device)}) has free"
+    avail = _proc_kib("/proc/meminfo", ("MemAvailable",)).get("MemAvailable")
+    where = "MemAvailable"
+    if avail is None:
+        try:
+            avail, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "total RAM"
+        except (ValueError, OSError):
+            return None, "unknown"
+    try:  # a container's limit is lower than the machine's RAM
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                left = int(limit) - int(f.read())
+            if left < avail:
+                avail, where = left, "the cgroup memory limit leaves"
+    except (OSError, ValueError):
+        pass
+    ranks = _ranks_on_this_node(env)
+    if ranks > 1:
+        return avail // ranks, f"CPU RAM ({where}) / {ranks} ranks on this node gives each"
+    return avail, f"CPU RAM ({where}) has"
+
+
+class PeakMemory:
+    """Peak memory a rank's training adds over a baseline taken at construction (after imports and data loading).
+
+    CUDA: torch.cuda.max_memory_allocated growth (the caching allocator's reserve excluded). CPU: growth of the
+    process's anonymous memory: the kernel's resident-set high-water mark (VmHWM, reset here through
+    /proc/self/clear_refs) minus file-backed pages (shared libraries, the memory-mapped token cache), compared with
+    RssAnon at the baseline. Without clear_refs (non-Linux, locked-down kernels) the high-water mark may predate the
+    baseline, so the figure is an upper bound.
+    """
+
+    def __init__(self, env: DistEnv) -> None:
+        self.device = env.device
+        self.exact = True
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline = torch.cuda.memory_allocated(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # "5": reset the peak RSS (VmHWM) to the current RSS (Linux >= 4.0)
+        except OSError:
+            self.exact = False
+        self.baseline = _proc_kib("/proc/self/status", ("RssAnon",)).get("RssAnon", 0)
+
+    def peak_growth(self) -> int:
+        """Bytes: the peak since the baseline minus the baseline (0 if nothing grew)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return max(0, torch.cuda.max_memory_allocated(self.device) - self.baseline)
+        status = _proc_kib("/proc/self/status", ("VmHWM", "RssFile", "RssShmem"))
+        if "VmHWM" not in status:
+            import resource
+
+            status["VmHWM"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+            self.exact = False
+        anon_peak = status["VmHWM"] - status.get("RssFile", 0) - status.get("RssShmem", 0)
+        return max(0, anon_peak - self.baseline)
+
+    def describe(self) -> str:
+        if self.device.type == "cuda":
+            return "torch.cuda.max_memory_allocated growth"
+        return "peak anonymous RSS growth" + ("" if self.exact else " (upper bound: VmHWM could not be reset)")
+
+
 def all_reduce_max(value: float, env: DistEnv) -> float:
     """Max of a scalar over ranks (used by stop/save decisions so all ranks agree)."""
     if not env.distributed:

@@ -311,3 +311,114 @@ class Transformer(nn.Module):
         """
         c = self.config
         return 6 * self.num_params(exclude_embeddings=True) + 12 * c.n_layers * c.n_heads * c.head_dim * seq_len
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pre-flight memory estimate
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated peak memory of one rank's training step, in bytes, by component (see estimate_peak_memory)."""
+
+    parameters: int  # the weights (this rank's shard under FSDP, plus the unsharded units it gathers)
+    gradients: int  # .grad of every weight (+ DDP's gradient buckets)
+    optimizer: int  # AdamW's exp_avg and exp_avg_sq
+    optimizer_step: int  # temporaries of optimizer.step()
+    activations: int  # tensors saved for backward by the transformer blocks (+ autocast's low-precision weights)
+    logits: int  # the output layer's logits, log-softmax and their gradients at the start of backward
+    overhead: int = 0  # CPU: first-use allocations and memory malloc keeps after free (calibrated, see below)
+    checkpoint_buffers: int = 0  # host copies of the state held by asynchronous checkpointing, when in this memory
+
+    @property
+    def backward(self) -> int:
+        """Transient memory at the start of backward: every saved activation and the logits alive at once."""
+        return self.activations + self.logits
+
+    @property
+    def step(self) -> int:
+        """Transient memory at the optimizer step: all gradients and the step's temporaries."""
+        return self.gradients + self.optimizer_step
+
+    @property
+    def total(self) -> int:
+        """The peak: weights and optimizer state always, plus the larger of the two transient phases (gradients are
+        set to None after every step and re-created by backward as the activations are freed)."""
+        return (self.parameters + self.optimizer + max(self.backward, self.step) + self.overhead
+                + self.checkpoint_buffers)
+
+    def describe(self) -> str:
+        """One line: the total and its breakdown, in MiB."""
+        def mib(n: int) -> str:
+            return f"{n / 2**20:,.1f}"
+
+        return (f"{mib(self.total)} MiB = parameters {mib(self.parameters)} + optimizer state {mib(self.optimizer)} "
+                f"+ max(activations {mib(self.activations)} + logits {mib(self.logits)} [backward], "
+                f"gradients {mib(self.gradients)} + optimizer temporaries {mib(self.optimizer_step)} [step])"
+                + (f" + allocator overhead {mib(self.overhead)}" if self.overhead else "")
+                + (f" + checkpoint buffers {mib(self.checkpoint_buffers)}" if self.checkpoint_buffers else ""))
+
+
+def estimate_peak_memory(config: ModelConfig, batch_size: int, seq_len: int, dtype: str = "fp32",
+                         world_size: int = 1, parallel: str = "single", device_type: str = "cpu",
+                         optimizer: str = "default", checkpoint_copies: int = 0) -> MemoryEstimate:
+    """Estimated peak memory of one rank training `config` with AdamW on `batch_size` x `seq_len` tokens.
+
+    dtype: "fp32"/"fp64" (everything in that dtype) or "bf16"/"fp16" (autocast, fp32 weights). parallel: "single",
+    "ddp" or "fsdp" (weights, gradients and optimizer state divided by world_size). device_type: "cpu" or "cuda"
+    (which AdamW implementation runs: single-tensor on CPU, foreach on CUDA). optimizer: "default" or "fused".
+    checkpoint_copies: copies of the weights and optimizer state that asynchronous checkpointing holds in the same
+    memory (CPU training: the concurrent backend's --max-async buffer sets, dcp --async-checkpoint's staging copy).
+
+    Counted from the model's actual tensors (N = batch_size * seq_len tokens, d = dim, f = ffn_dim, h = n_heads,
+    L = layers, V = vocab, P = parameters; s = 4 bytes, 8 for fp64, 2 for autocast's bf16/fp16 copies):
+    - parameters P*s, gradients P*s, AdamW state 2*P*s;
+    - activations saved for backward, per token and layer (SDPA's fused kernels: no seq_len^2 score matrix):
+      fp32/fp64 (11d + 4f + h + 2)*s: RMSNorm input, rms and normalised input twice, q/k/v (k and v repeated to h
+      heads) and the attention output, the output projection's input, three SwiGLU intermediates and w2's input;
+      autocast 34d + 8f + 4h + 8 bytes (fp32 norms, a bf16 copy of each matmul input) plus bf16 copies of every
+      matmul weight (2*P bytes);
+    - logits: at the start of backward the logits, their log-softmax and both gradients, 4*N*V*4 bytes in fp32
+      (autocast 14*N*V: bf16 logits, fp32 copy; fp64 20*N*V);
+    - optimizer step temporaries: single-tensor AdamW (CPU) two copies of the largest weight (the V x d embedding),
+      foreach AdamW (CUDA) one copy of all weights, fused none.
+    The peak is parameters + optimizer state + max(activations + logits, gradients + step temporaries) + overhead.
+    Overhead, CPU only, calibrated on `tiny` and `small`: 96 MiB + half the gradients' size -- PyTorch's first-use
+    allocations (~30-50 MiB) and the freed memory glibc malloc keeps resident (tensors under its mmap threshold,
+    which rises up to 32 MiB, come from the heap; the peak resident set grows over the first ~10-30 steps, then levels
+    off). On CUDA the estimate is of tensor memory (torch.cuda.max_memory_allocated; the CUDA context and the caching
+    allocator's reserve are not counted). README "Pre-flight" states how far it is from measured peaks.
+    """
+    c = config
+    N, d, f, h, L, V = batch_size * seq_len, c.dim, c.ffn_dim, c.n_heads, c.n_layers, c.vocab_size
+    kv = c.n_kv_heads * c.head_dim
+    per_layer = d * (h * c.head_dim) * 2 + d * kv * 2 + 3 * d * f + 2 * d  # wq, wo; wk, wv; SwiGLU; two norms
+    matmul_params = L * (per_layer - 2 * d) + V * d  # weights autocast casts (the output layer's too)
+    P = 2 * V * d + L * per_layer + d
+    wide = 8 if dtype == "fp64" else 4  # weights, gradients and optimizer state (fp32 master weights under autocast)
+    autocast = dtype in ("bf16", "fp16")
+    if autocast:
+        activations = N * (L * (34 * d + 8 * f + 4 * h + 8) + 10 * d + 8) + 2 * matmul_params
+        logits = 14 * N * V
+    else:
+        activations = N * (L * (11 * d + 4 * f + h + 2) + 3 * d + 1) * wide
+        logits = 4 * N * V * 4 if dtype != "fp64" else 20 * N * V
+    activations += 2 * N * 8  # int64 inputs and targets
+    shard = world_size if parallel == "fsdp" else 1
+    params = P * wide // shard
+    grads = P * wide // shard
+    if parallel == "fsdp" and world_size > 1:  # the root (embeddings, output) stays gathered; one block at a time
+        params += (2 * V * d + d + per_layer) * wide
+        grads += (2 * V * d + d + per_layer) * wide
+    if parallel == "ddp" and world_size > 1:
+        grads *= 2  # DDP reduces through gradient buckets, a second copy of every gradient
+    if optimizer == "fused":
+        step = 0
+    elif device_type == "cuda":
+        step = P * wide // shard
+    else:
+        step = 2 * max(V * d, d * f, d * h * c.head_dim) * wide // shard
+    overhead = 96 * 2**20 + grads // 2 if device_type == "cpu" else 0
+    return MemoryEstimate(parameters=params, gradients=grads, optimizer=2 * P * wide // shard, optimizer_step=step,
+                          activations=activations, logits=logits, overhead=overhead,
+                          checkpoint_buffers=checkpoint_copies * 3 * P * wide // shard)

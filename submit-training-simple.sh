@@ -6,9 +6,10 @@
 #          [--sequence-length=N] [--profile-nsys] [-- any train.py flags]
 #
 # Edit the #SBATCH block below once for your cluster (command-line sbatch options override it, e.g.
-# `sbatch --time=12:00:00 --nodes=4 submit-training-simple.sh --distributed`). Run sbatch from the repository: the job
-# finds train.py through the submit directory (or set PYRECOVER_DIR), and relative paths (checkpoints/, data/) are
-# relative to the job's working directory (the submit directory unless --chdir).
+# `sbatch --time=12:00:00 --nodes=4 submit-training-simple.sh --distributed`). The job finds train.py in PYRECOVER_DIR,
+# else the job's working directory, else the submit directory: run sbatch from the repository, or from anywhere with
+# `sbatch --chdir=REPO REPO/submit-training-simple.sh`. Relative paths (checkpoints/, data/) are relative to the job's
+# working directory (the submit directory unless --chdir).
 #
 # How a job survives its time limit:
 #   * --signal=USR1@120: SLURM sends SIGUSR1 ~120 s (give or take the 30 s it checks with) before the limit. Without
@@ -62,9 +63,19 @@ set -uo pipefail
 
 die() { echo "submit-training-simple.sh: error: $*" >&2; exit 2; }
 
-# The batch script runs from a copy in SLURM's spool directory, so $0 does not locate the repository.
-REPO=${PYRECOVER_DIR:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "$0")" && pwd)}}
-[[ -f $REPO/train.py ]] || die "train.py not found in $REPO: run sbatch from the repository or set PYRECOVER_DIR"
+# The batch script runs from a copy in SLURM's spool directory, so $0 does not locate the repository. Look for train.py
+# in PYRECOVER_DIR, then the job's working directory (sbatch --chdir=REPO), then the submit directory (outside SLURM:
+# this script's own directory), in that order.
+submit_dir=${SLURM_SUBMIT_DIR:-$(cd "$(dirname "$0")" && pwd)}
+REPO=
+for dir in "${PYRECOVER_DIR:-}" "$PWD" "$submit_dir"; do
+    if [[ -n $dir && -f $dir/train.py ]]; then
+        REPO=$(cd "$dir" && pwd)
+        break
+    fi
+done
+[[ -n $REPO ]] || die "train.py not found in PYRECOVER_DIR (${PYRECOVER_DIR:-not set}), the job's working directory" \
+    "($PWD) or the submit directory ($submit_dir): set PYRECOVER_DIR to the repository, or sbatch --chdir=REPO"
 
 distributed=0 resume=0 nsys=0
 train_args=()

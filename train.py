@@ -281,7 +281,7 @@ def device_peak_flops(device: torch.device) -> float | None:
 def validate(args: argparse.Namespace, env: distributed.DistEnv):
     """Everything that can be wrong with the user's input, checked before any collective or training time: numbers
     first (instant), then the memory the configuration needs (as soon as the tokenizer gives the vocabulary), then
-    the data (tokenizing may take minutes). Returns (tokenizer, windows, config, memory estimate)."""
+    the data (tokenizing may take minutes). Returns (tokenizer, windows, config)."""
     check_numeric_flags(args)
     if args.use_flash_attention:
         problem = flash_attention_problem(env.device)
@@ -289,14 +289,14 @@ def validate(args: argparse.Namespace, env: distributed.DistEnv):
             raise BadInput(problem)
     tokenizer = load_tokenizer(args.tokenizer_name_or_path)
     config = get_config(args.model, vocab_size=tokenizer.vocab_size, max_seq_len=args.sequence_length)
-    estimate = check_memory(args, env, config)
+    check_memory(args, env, config)
     windows = load_token_windows(args.dataset, tokenizer, args.sequence_length)
     if len(windows) < args.batch_size * env.world_size:
         raise BadInput(
             f"--sequence-length {args.sequence_length} leaves {len(windows)} samples in {args.dataset}, fewer than one "
             f"global batch ({args.batch_size} x {env.world_size} ranks); use a shorter sequence or a larger dataset"
         )
-    return tokenizer, windows, config, estimate
+    return tokenizer, windows, config
 
 
 # Every numeric flag: (dest, lowest allowed value, whether that value itself is allowed). Floats must also be finite.
@@ -329,17 +329,27 @@ def check_numeric_flags(args: argparse.Namespace) -> None:
                        f"{args.profile_step_start}; give an end step >= the start step")
 
 
+def memory_estimate(args: argparse.Namespace, env: distributed.DistEnv, config, batch_size: int | None = None,
+                    seq_len: int | None = None) -> MemoryEstimate:
+    """model.estimate_peak_memory for this run's flags (or another batch size / sequence length)."""
+    batch_size, seq_len = batch_size or args.batch_size, seq_len or args.sequence_length
+    copies = 0  # training on CPU: asynchronous checkpointing's host copies of the state share the same RAM
+    if env.device.type == "cpu" and args.checkpoint_backend == "concurrent":
+        copies = args.max_async
+    elif env.device.type == "cpu" and args.checkpoint_backend == "dcp" and args.async_checkpoint:
+        copies = 1
+    return estimate_peak_memory(dataclasses.replace(config, max_seq_len=seq_len), batch_size, seq_len,
+                                args.model_dtype, env.world_size, args.parallel if env.distributed else "single",
+                                env.device.type, "fused" if args.fused_optimizer else "default", copies)
+
+
 def check_memory(args: argparse.Namespace, env: distributed.DistEnv, config) -> MemoryEstimate:
     """Refuse, in one line, a configuration whose estimated peak memory exceeds what the device has."""
-    parallel = args.parallel if env.distributed else "single"
-    estimate = estimate_peak_memory(config, args.batch_size, args.sequence_length, args.model_dtype, env.world_size,
-                                    parallel, env.device.type, "fused" if args.fused_optimizer else "default")
+    estimate = memory_estimate(args, env, config)
     available, where = distributed.device_memory(env)
     if available is not None and estimate.total > available:
         def fits(batch: int, seq: int) -> bool:
-            return estimate_peak_memory(dataclasses.replace(config, max_seq_len=seq), batch, seq, args.model_dtype,
-                                        env.world_size, parallel, env.device.type,
-                                        "fused" if args.fused_optimizer else "default").total <= available
+            return memory_estimate(args, env, config, batch, seq).total <= available
 
         batch, low, high = None, 1, args.batch_size - 1  # the largest batch that fits (memory grows with the batch)
         while low <= high:
@@ -464,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     # Setup that can fail on bad input runs on every rank without collectives; then ranks agree.
     error, lease = None, None
     try:
-        tokenizer, windows, config, memory_estimate = validate(args, env)
+        tokenizer, windows, config = validate(args, env)
         check_checkpoint_flags(args)
         run_root = storage.as_path(args.checkpoint_dir) / args.experiment_name  # a local folder or s3://bucket/prefix
         if env.is_main:
@@ -487,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
 
     # --- model, optimizer, schedule, data ------------------------------------------------------------------------
-    log0(env, f"memory estimate: {memory_estimate.describe()} per rank on {env.device.type}")
+    mem_estimate = memory_estimate(args, env, config)  # checked against the device's memory in validate()
+    log0(env, f"memory estimate: {mem_estimate.describe()} per rank on {env.device.type}")
     peak_memory = distributed.PeakMemory(env)  # baseline: after imports and data loading
     seed_everything(args.seed)  # identical init on every rank
     model = Transformer(config, attention="flash" if args.use_flash_attention else "sdpa")
@@ -708,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{(time.perf_counter() - t_loop):.1f}s in the loop")
     measured = peak_memory.peak_growth()
     log0(env, f"memory measured: {measured / 2**20:,.1f} MiB peak on rank 0 ({peak_memory.describe()}); estimate "
-              f"{memory_estimate.total / 2**20:,.1f} MiB ({100 * (memory_estimate.total / max(measured, 1) - 1):+.1f}%)")
+              f"{mem_estimate.total / 2**20:,.1f} MiB ({100 * (mem_estimate.total / max(measured, 1) - 1):+.1f}%)")
     log0(env, manager.summary(run_s))
     outcome = policy.finish(train.step, args.training_steps)  # a stop before the end: rank 0 requeues (committed above)
     distributed.shutdown(env)

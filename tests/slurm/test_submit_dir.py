@@ -1,0 +1,56 @@
+"""submit-training-simple.sh finds train.py when sbatch runs from another directory: in PYRECOVER_DIR, the job's working
+directory (sbatch --chdir=REPO) or the submit directory, in that order -- and names all three when none has it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from helpers import PY, ROOT, TINY, csv_rows  # noqa: E402
+
+pytestmark = pytest.mark.slurm
+
+SCRIPT = ROOT / "submit-training-simple.sh"
+
+
+def submit(cluster, tmp_path: Path, name: str, chdir: Path, script_args: list[str]) -> tuple[int, Path]:
+    elsewhere = tmp_path / "elsewhere"  # the submit directory: no train.py here
+    elsewhere.mkdir(exist_ok=True)
+    out = tmp_path / f"{name}.out"  # absolute: the job's working directory may be the repository
+    job = cluster.sbatch(str(SCRIPT), f"--job-name=pyr-{name}", "--ntasks-per-node=1", "--time=5", f"--chdir={chdir}",
+                         f"--output={out}", script_args=script_args,
+                         env={"PYTHON": PY, "OMP_NUM_THREADS": "1", "PYRECOVER_DIR": None}, cwd=elsewhere)
+    return job, out
+
+
+def test_chdir_to_the_repository_from_another_directory_runs_train_py(slurm_cluster, tmp_path, corpus):
+    ck = tmp_path / "ck"
+    job, out = submit(slurm_cluster, tmp_path, "chdir-repo", ROOT,
+                      ["--exp_name=chdir", "--log-loss-to-csv", "--", *TINY, "--training-steps", "3",
+                       "--dataset", corpus, "--checkpoint-dir", str(ck)])
+    try:
+        info = slurm_cluster.wait_for_state(job, "COMPLETED", timeout=240)
+    except AssertionError as e:
+        log = out.read_text(errors="replace") if out.exists() else "(no output file)"
+        raise AssertionError(f"{e}\njob output:\n{log[-3000:]}") from None
+    log = out.read_text(errors="replace")
+    assert info["ExitCode"] == "0:0", (info, log)
+    assert f"{ROOT}/train.py" in log, log  # the repository's train.py, found through the job's working directory
+    assert "done: 3 steps" in log and "training finished" in log, log
+    assert csv_rows(ck / "chdir" / "loss.csv") == 3
+
+
+def test_no_train_py_anywhere_names_the_three_places(slurm_cluster, tmp_path):
+    workdir = tmp_path / "workdir"
+    workdir.mkdir()
+    job, out = submit(slurm_cluster, tmp_path, "no-train-py", workdir, [])
+    info = slurm_cluster.wait_for_state(job, "FAILED", timeout=120)
+    assert info["ExitCode"] == "2:0", info
+    errors = [line for line in out.read_text(errors="replace").splitlines() if "error" in line]
+    assert len(errors) == 1, errors
+    line = errors[0]
+    assert "train.py not found" in line and "PYRECOVER_DIR" in line, line
+    assert f"working directory ({workdir})" in line and f"submit directory ({tmp_path / 'elsewhere'})" in line, line
