@@ -29,6 +29,7 @@ Test knobs (environment): ``PYRECOVER_LEASE_HEARTBEAT_S`` (default 10), ``PYRECO
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -163,10 +164,25 @@ def _publish(path: Path, record: dict, *, replace: bool = False) -> None:
         if replace:
             os.replace(tmp, path)
         else:
-            os.link(tmp, path)  # EEXIST if another start won this generation
+            try:
+                os.link(tmp, path)  # EEXIST if another start won this generation
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                _create_exclusive(path, record)  # a filesystem without hard links
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
+
+
+def _create_exclusive(path: Path, record: dict) -> None:
+    """O_CREAT|O_EXCL, then the content: a reader may briefly see it empty, which counts as a live holder."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, json.dumps(record).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def generations(owner_dir: Path) -> list[int]:
@@ -200,6 +216,15 @@ def _takeover_reason(holder: dict | None, mtime: float, me: dict, force: bool,
 def acquire(root: Path, *, force: bool = False, environ: Mapping[str, str] = os.environ,
             job_running: Callable[[str], bool | None] = slurm.job_running, log: Callable[[str], None] = print) -> Lease:
     """Take ``root`` over (rank 0, before anything in it is written), or raise LeaseHeld naming the live holder."""
+    try:
+        return _acquire(Path(root), force, environ, job_running, log)
+    except OSError as e:
+        raise CheckpointError(f"cannot take the run directory {root} over: {e.strerror or e} ({e.filename or root}); "
+                              "check its permissions or pass another --checkpoint-dir") from None
+
+
+def _acquire(root: Path, force: bool, environ: Mapping[str, str], job_running: Callable[[str], bool | None],
+             log: Callable[[str], None]) -> Lease:
     owner_dir = Path(root) / OWNER_DIR
     owner_dir.mkdir(parents=True, exist_ok=True)
     me = identity(environ)
