@@ -90,10 +90,12 @@ def wait_for_part_records(step_dir: Path, world_size: int, timeout: float, run_i
 
 
 def _read_record(path: Path) -> dict | None:
+    """A part record, or None while it is missing or not one (a record of this run is always a JSON object)."""
     try:
-        return json.loads(path.read_text())
+        record = json.loads(path.read_text())
     except (FileNotFoundError, ValueError):
         return None
+    return record if isinstance(record, dict) and isinstance(record.get("files", {}), dict) else None
 
 
 def commit(step_dir: Path, step: int, world_size: int, backend: str, parts: list[dict], meta: dict | None = None) -> None:
