@@ -34,6 +34,7 @@ if __name__ == "__main__":
     for _stream in (sys.stdout, sys.stderr):
         _stream.reconfigure(line_buffering=True, write_through=False)
 
+_T_IMPORTS = time.monotonic()  # the heavy imports start here (recovery_line reports how long a restart took)
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -51,6 +52,8 @@ from checkpoint import policy as stop_policy
 from checkpoint.walltime import parse_walltime
 from dataset import DEFAULT_TOKENIZER, DataError, TrainLoader, load_token_windows, load_tokenizer
 from model import PRESETS, MemoryEstimate, Transformer, estimate_peak_memory, flash_attention_problem, get_config
+
+_T_IMPORTED = time.monotonic()
 
 __version__ = "0.1.0"
 
@@ -206,6 +209,24 @@ def say(line: str) -> None:
 def log(msg: str) -> None:
     """A progress line from any rank, to stdout."""
     print(msg, flush=True)
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux /proc), so the interpreter's start-up before our first line counts."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return float(Path("/proc/uptime").read_text().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _T_IMPORTS
+
+
+def recovery_line(t_loop: float, load_s: float) -> str:
+    """What a restart cost this rank, from its process start to the end of its first step after the resume."""
+    now = time.monotonic()
+    total = process_age_s()
+    return (f"recovery: first step after resume {total:.2f}s after process start (python start-up "
+            f"{max(0.0, total - (now - _T_IMPORTS)):.2f}s, imports {_T_IMPORTED - _T_IMPORTS:.2f}s, setup "
+            f"{t_loop - _T_IMPORTED - load_s:.2f}s, checkpoint load {load_s:.2f}s, first step {now - t_loop:.2f}s)")
 
 
 def log0(env: distributed.DistEnv, msg: str) -> None:
@@ -615,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # --- the loop ------------------------------------------------------------------------------------------------
     model.train()
-    t_loop = time.perf_counter()
+    t_loop, t_loop_mono = time.perf_counter(), time.monotonic()
     loss_f = float("nan")
     while train.step < args.training_steps:
         t0 = time.perf_counter()
@@ -657,6 +678,8 @@ def main(argv: list[str] | None = None) -> int:
         jit.note_row(step=train.step, loss=repr(loss_f), lr=repr(lr), tokens_seen=train.tokens_seen,
                      restart=train.restarts)  # --jit-checkpoint: a survivor logs this step if rank 0 died before it
         step_s = time.perf_counter() - t0
+        if resumed_step is not None and train.step == resumed_step + 1:  # what the restart cost (README: recovery)
+            log0(env, recovery_line(t_loop_mono, manager.load_seconds))
         if loss_csv:
             loss_csv.row(step=train.step, loss=repr(loss_f), lr=repr(lr), tokens_seen=train.tokens_seen,
                          wall_time=f"{time.time():.3f}", restart=train.restarts)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -191,6 +192,13 @@ def test_resume_by_step_and_by_path(corpus, tmp_path):
     run_train(_args(corpus, tmp_path) + ["--training-steps", "8"], check=True)
     proc = run_train(_args(corpus, tmp_path) + ["--training-steps", "10", "--resume-from-checkpoint", "4"], check=True)
     assert "step 4" in proc.stdout
+    # How long the restart took, and where the time went: the parts add up to the whole (each printed to 0.01 s).
+    m = re.search(r"^recovery: first step after resume ([\d.]+)s after process start \(python start-up ([\d.]+)s, "
+                  r"imports ([\d.]+)s, setup ([\d.]+)s, checkpoint load ([\d.]+)s, first step ([\d.]+)s\)$",
+                  proc.stdout, re.M)
+    assert m, proc.stdout[-3000:]
+    total, *parts = map(float, m.groups())
+    assert all(p >= 0 for p in parts) and abs(sum(parts) - total) <= 0.05 + 0.01 * len(parts), m.group(0)
     path = tmp_path / "default" / layout.step_dir_name(10)
     proc = run_train(_args(corpus, tmp_path) + ["--training-steps", "12", "--resume-from-checkpoint", str(path)],
                      check=True)
