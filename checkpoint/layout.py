@@ -64,11 +64,13 @@ def write_part_record(step_dir: Path, rank: int, files: dict[str, dict], run_id:
     storage.write_bytes(step_dir / part_record_name(rank), json.dumps(record, indent=1, sort_keys=True).encode())
 
 
-def wait_for_part_records(step_dir: Path, world_size: int, timeout: float, run_id: str = "") -> list[dict]:
+def wait_for_part_records(step_dir: Path, world_size: int, timeout: float, run_id: str = "",
+                          guard: Callable[[str], None] | None = None) -> list[dict]:
     """Rank 0 waits (on the filesystem, not a collective) until every rank's part record of THIS run exists.
 
     Filesystem coordination lets background writers commit without touching the training process group. Records
-    carry the run id so a stale record left by a crashed earlier attempt can never complete a new commit.
+    carry the run id so a stale record left by a crashed earlier attempt can never complete a new commit. ``guard``
+    raises once this incarnation is fenced: the new owner swept our staging folder, so a record may never come.
     """
     deadline = time.monotonic() + timeout
     paths = [step_dir / part_record_name(r) for r in range(world_size)]
@@ -85,6 +87,8 @@ def wait_for_part_records(step_dir: Path, world_size: int, timeout: float, run_i
             raise CheckpointError(
                 f"{step_dir}: ranks {[paths.index(p) for p in missing]} did not finish writing within {timeout:.0f}s"
             )
+        if guard is not None:
+            guard(f"commit {step_dir.name}")
         time.sleep(delay)
         delay = min(delay * 2, 0.2)
 

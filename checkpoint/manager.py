@@ -111,7 +111,8 @@ class CheckpointManager:
                 layout.write_part_record(step_dir, self.rank.rank, files, run_id=self.run_id)
                 record.bytes = sum(r["size"] for r in files.values())
                 if self.rank.is_main:
-                    parts = layout.wait_for_part_records(step_dir, self.rank.world_size, self.commit_timeout_s, self.run_id)
+                    parts = layout.wait_for_part_records(step_dir, self.rank.world_size, self.commit_timeout_s,
+                                                         self.run_id, guard=self._guard)
                     self._guard(f"commit step {step}")
                     layout.commit(step_dir, step, self.rank.world_size, self.backend.name, parts)
                     if staged:
