@@ -37,7 +37,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -93,6 +93,7 @@ class Lease:
     generation: int
     holder: dict | None = None
     _fenced_by: str = ""
+    _stop: threading.Event = field(default_factory=threading.Event)  # ends the heartbeat
 
     @property
     def dir(self) -> Path:
@@ -108,8 +109,7 @@ class Lease:
     def check(self, what: str) -> None:
         """Raise Fenced unless this incarnation still owns the run directory; ``what`` names the change refused."""
         if self.fenced():
-            raise Fenced(f"{self.root} was taken over by {self._fenced_by}; this incarnation (generation "
-                         f"{self.generation}) is fenced and does not {what}; it stops now")
+            raise Fenced(f"{self.fenced_message} (refused: {what})")
 
     @property
     def fenced_message(self) -> str:
@@ -130,13 +130,11 @@ class Lease:
                 except OSError:
                     pass
 
-        self._stop = threading.Event()
         threading.Thread(target=beat, name="lease-heartbeat", daemon=True).start()
 
     def release(self) -> None:
         """Mark the lease released (the next start takes over without questions). Not if fenced: it is not ours."""
-        if getattr(self, "_stop", None) is not None:
-            self._stop.set()
+        self._stop.set()
         if self.holder is None or self.fenced():
             return
         try:

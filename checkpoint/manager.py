@@ -76,6 +76,7 @@ class CheckpointManager:
         self.keep_every = keep_every
         self.commit_timeout_s = commit_timeout_s
         self.lease = lease  # one writer per run directory: None on object storage (no exclusive create there)
+        self._fenced_logged = False
         self.log = log
         self.in_flight: deque[SaveHandle] = deque()
         self.history: list[SaveRecord] = []
@@ -145,6 +146,11 @@ class CheckpointManager:
         self.in_flight.append(handle)
         return handle
 
+    @property
+    def _staging(self) -> Path:
+        """This incarnation's staging folder (holds one step-N folder per save in flight)."""
+        return layout.staging_dir(self.root, self.run_id, 0).parent
+
     def _guard(self, what: str) -> None:
         """Raise Fenced if a newer incarnation owns the run directory (checked before every change to it)."""
         if self.lease is not None:
@@ -153,7 +159,7 @@ class CheckpointManager:
     def _note_fenced(self, e: Fenced) -> None:
         """A fenced save is not an error of this run: it is dropped (its staging folder is the new owner's to sweep),
         and the stop policy's vote (``fenced``) stops every rank at the next step boundary."""
-        if not getattr(self, "_fenced_logged", False):
+        if not self._fenced_logged:
             self._fenced_logged = True
             self.log(f"warning: {e}")
 
@@ -316,7 +322,7 @@ class CheckpointManager:
         local = not storage.is_remote(self.root)
         if self.rank.is_main and local:
             self._guard("clean up the run directory")
-            layout.recover(self.root, own_staging=layout.staging_dir(self.root, self.run_id, 0).parent.name, log=self.log)
+            layout.recover(self.root, own_staging=self._staging.name, log=self.log)
         step = self.load(spec, state) if spec else None
         if after_load is not None:  # e.g. train.py refusing a flag the checkpoint cannot take: before anything moves
             after_load(step)
@@ -343,6 +349,6 @@ class CheckpointManager:
         self.backend.close()
         if self.rank.is_main and not storage.is_remote(self.root):
             try:  # our staging folder, once empty (every save published)
-                layout.staging_dir(self.root, self.run_id, 0).parent.rmdir()
+                self._staging.rmdir()
             except OSError:
                 pass
