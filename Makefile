@@ -11,13 +11,15 @@ STEPS    ?= 300
 K        ?= 20
 PYTEST_ARGS ?=
 
-.PHONY: help install data train test test-fast faults bench clean distclean
+.PHONY: help install data train test test-fast faults bench bench-detail goodput clean distclean
 
 help:
 	@echo "make train      set up .venv, build the embedded dataset, train the 'small' preset ($(STEPS) steps, checkpoints)"
 	@echo "make test       the full test suite (pytest; real CLI, torchrun/gloo, SLURM and S3 where available)"
 	@echo "make faults K=N fault injection: K kill/resume trials (every 4th an overlap: frozen run, takeover, fenced) over backends x 1,2 ranks (+ JIT); ARGS=\"--seed S --json F\""
-	@echo "make bench      checkpoint benchmark: markdown table + PNG in results/"
+	@echo "make bench      the byte path against the machine's limits (CPU/GiB vs memcpy, vs O_DIRECT, training overhead vs DCP, resume): results/bench_targets.{md,json,png}"
+	@echo "make bench-detail  per-backend save/load/burst/throughput tables: results/checkpoint_bench.{md,png}"
+	@echo "make goodput    goodput under a seeded kill schedule (MTBF 40 s) per checkpoint configuration: results/goodput.{md,json,png}; ARGS=\"--mtbf S --seed N --steps N --configs a,b --quick\""
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -57,8 +59,14 @@ faults: $(DATA)
 	$(PY) -m tests.faults --trials $(K) $(ARGS)
 
 bench: $(DATA)
+	$(PY) -m benchmarks.targets $(ARGS)
+
+bench-detail: $(DATA)
 	$(PY) -m checkpoint.bench
 	$(PY) -m checkpoint.bench_dcp
+
+goodput: $(DATA)
+	$(PY) -m benchmarks.goodput $(ARGS)
 
 clean:
 	rm -rf checkpoints logs .pytest_cache

@@ -44,7 +44,6 @@ import distributed
 from checkpoint import (CheckpointError, CheckpointManager, CheckpointState, ModelState, OptimizerState, RankInfo, RNGState, RunInfo,
                         TrainState, make_backend)
 from checkpoint import layout, storage
-from checkpoint.backends.dcp import DCPModelState, DCPOptimizerState
 from checkpoint.fsio import fsync_dir
 from checkpoint import jit as checkpoint_jit
 from checkpoint import lease as run_lease
@@ -154,9 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--use-torch-distributed-ckpt", action="store_true",
          help="alias of --checkpoint-backend dcp: torch.distributed.checkpoint, every rank writes its own shard in "
               "parallel; loads at any world size; the only backend for --parallel fsdp and s3:// checkpoint dirs")
-    flag("--async-checkpoint", action="store_true",
+    flag("--async-checkpoint", nargs="?", const="thread", default=False, choices=["thread", "process"],
          help="dcp backend: save in the background (dcp.async_save on its own gloo group); training waits only for "
-              "the state copy, right before the next optimizer step; one save in flight")
+              "the state copy, right before the next optimizer step; one save in flight. `process` (`thread` when "
+              "given alone): serialize and write in DCP's background save process instead of a thread of the "
+              "training process (no GIL contention; the process starts at the first save)")
     flag("--max-kept-checkpoints", type=int, default=3, help="keep the newest K committed checkpoints (0 = keep all)")
     flag("--keep-every", type=int, default=0, help="also keep every checkpoint whose step is a multiple of N")
     flag("--timeaware-checkpointing", action="store_true", help="save and stop before the SLURM walltime runs out")
@@ -520,6 +521,10 @@ def main(argv: list[str] | None = None) -> int:
     # --- model, optimizer, schedule, data ------------------------------------------------------------------------
     mem_estimate = memory_estimate(args, env, config)  # checked against the device's memory in validate()
     log0(env, f"memory estimate: {mem_estimate.describe()} per rank on {env.device.type}")
+    # Every save takes its state dicts through DCP's state_dict helpers: import them before the memory baseline, so
+    # the module memory they bring is not counted as training memory (they are not needed before the first step).
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+
     peak_memory = distributed.PeakMemory(env)  # baseline: after imports and data loading
     seed_everything(args.seed)  # identical init on every rank
     model = Transformer(config, attention="flash" if args.use_flash_attention else "sdpa")
@@ -541,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     run_info = RunInfo(config=vars(args) | {"model_config": vars(config)},
                        versions={"torch": str(torch.__version__), "pyrecover": __version__}, world_size=env.world_size)
     if args.checkpoint_backend == "dcp":  # sharded state dicts (DTensors under FSDP): every rank saves its own shard
+        from checkpoint.backends.dcp import DCPModelState, DCPOptimizerState  # DCP costs ~0.6 s to import: only here
+
         model_state, optim_state = DCPModelState(model), DCPOptimizerState(model, optimizer)
     else:  # full state dicts, written once by rank 0
         model_state, optim_state = ModelState(model), OptimizerState(model, optimizer)
@@ -776,6 +783,14 @@ _KEEP_UNTIL_EXIT: list = []
 
 if __name__ == "__main__":
     code = cli()
+    # os._exit skips multiprocessing's exit handler, which terminates daemonic children: after an error exit DCP's save
+    # process (--async-checkpoint process; a normal end has stopped it) would outlive us, then print a traceback when
+    # it finds its pipe closed.
+    import multiprocessing
+
+    for _child in multiprocessing.active_children():
+        if _child.daemon:
+            _child.terminate()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -11,6 +11,9 @@ before reading — for:
     vanilla       DDP replicas; rank 0 writes model.pt + optimizer.pt (torch.save, fsync)
     dcp sync      FSDP2 shards; every rank writes its own __<rank>_0.distcp (dcp.save)
     dcp async     the same with --async-checkpoint (dcp.async_save on a dedicated gloo group, DefaultStager)
+    dcp async (process)   the same with --async-checkpoint process (DCP's background save process, shared-memory
+                  staging, cached save plans; the process starts at the first save, so the best of the repeats
+                  shows the steady state)
 
 The state is a stack of 1024x1024 fp32 Linear layers after one AdamW step: size = parameters + 2 moments. "blocked" is
 the time the training loop would wait: the save() call, plus for async the staging copy (here nothing overlaps it; in
@@ -33,7 +36,8 @@ from pathlib import Path
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
 WIDTH = 1024  # Linear(1024, 1024): 4 MiB of fp32 parameters, 12 MiB of checkpointed state with AdamW's moments
-METHODS = (("vanilla", "ddp", False), ("dcp sync", "fsdp", False), ("dcp async", "fsdp", True))
+METHODS = (("vanilla", "ddp", False), ("dcp sync", "fsdp", False), ("dcp async", "fsdp", True),
+           ("dcp async (process)", "fsdp", "process"))  # (label, parallel, the dcp backend's async_save)
 
 
 # --- worker (one per rank, under torchrun) ------------------------------------------------------------------------
@@ -82,7 +86,8 @@ def worker(sizes: list[int], roots: list[str], repeats: int, out: str) -> None:
             for where in roots:
                 if backend_name == "vanilla" and storage.is_remote(where):
                     continue  # vanilla writes local files only
-                root = storage.as_path(where) / f"{backend_name}-{'async' if async_save else 'sync'}-{size}"
+                mode = "async-process" if async_save == "process" else "async" if async_save else "sync"
+                root = storage.as_path(where) / f"{backend_name}-{mode}-{size}"
                 options = {"async_save": async_save} if backend_name == "dcp" else {}
                 manager = CheckpointManager(root, make_backend(backend_name, rank, **options), rank, run_id="bench",
                                             keep=1, log=lambda m: None)

@@ -56,9 +56,9 @@ def convert(src, dst, to: str, log=print):
     for name, rec in manifest["files"].items():  # the non-tensor files are the same in every format
         if _is_tensor_payload(name, frm):
             continue
-        files[name] = storage.write_bytes(step_dir / name, (storage.as_path(where) / name).read_bytes())
-        if files[name]["crc32"] != rec["crc32"]:
-            raise CheckpointError(f"{where / name} changed while converting (crc32 {files[name]['crc32']} != {rec['crc32']})")
+        algorithm = manifest["checksum"]
+        data = storage.read_checked(storage.as_path(where) / name, rec["size"], algorithm, rec[algorithm])
+        files[name] = storage.write_bytes(step_dir / name, data)
     if to == "vanilla":
         for s, sd in sections.items():
             files[f"{s}.pt"] = storage.write_with(step_dir / f"{s}.pt", lambda w, sd=sd: torch.save(sd, w))

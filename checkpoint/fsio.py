@@ -11,79 +11,91 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import mmap
 import os
+import threading
 import uuid
 import zlib
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
-CHECKSUM_ALGORITHM = "crc32"
-_CHUNK = 8 << 20
-WRITE_BEHIND = 16 << 20  # atomic_write starts writeback every this many bytes (ChecksumWriter._start_writeback)
+import numpy as np
+import xxhash
+
+from .errors import CheckpointError
+
+#: The manifest's integrity checksum. xxh3 (PyPI ``xxhash``, the reference C implementation) runs at memcpy speed and
+#: releases the GIL, where zlib.crc32 costs ~4x a memcpy of CPU per byte. The manifest names the algorithm, so
+#: checkpoints written with ``crc32`` by earlier versions still verify.
+CHECKSUM_ALGORITHM = "xxh3_64"
+_CHUNK = 16 << 20
+WRITE_BEHIND = 16 << 20  # buffered writes start writeback every this many bytes (ChecksumWriter._start_writeback)
+PAGE = 4096  # O_DIRECT alignment of memory, file offsets and lengths (covers 512-byte and 4 KiB logical blocks)
 
 
-# --- CRC-32 arithmetic ----------------------------------------------------------------------------------------------
-# zlib.crc32(A + B) == _crc_mul(_x_pow_8n(len(B)), crc32(A)) ^ crc32(B). So a checksum computed elsewhere (the
-# concurrent backend's checksum thread) joins the running one without a second pass, and a zip entry's crc32 follows
-# from the whole-file crc32 before and after it. Polynomials are bit-reflected as in zlib (bit 31 is x^0).
-_CRC_POLY = 0xEDB88320
+# --- checksums ------------------------------------------------------------------------------------------------------
+class _Crc32:
+    """zlib.crc32 with hashlib's update/hexdigest shape: only to verify checkpoints written before xxh3."""
+
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
 
 
-def _crc_mul(a: int, b: int) -> int:
-    """a(x) * b(x) modulo the CRC-32 polynomial."""
-    product = 0
-    for bit in range(31, -1, -1):
-        if a & (1 << bit):
-            product ^= b
-        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
-    return product
+HASHERS: dict[str, Callable[[], object]] = {"xxh3_64": xxhash.xxh3_64, "crc32": _Crc32}
 
 
-_X_POW_2K = [1 << 30]  # x^(2^k) mod P; x^1 is bit 30
-for _ in range(63):
-    _X_POW_2K.append(_crc_mul(_X_POW_2K[-1], _X_POW_2K[-1]))
+def new_hasher(algorithm: str = CHECKSUM_ALGORITHM):
+    return HASHERS[algorithm]()
 
 
-def _x_pow_8n(nbytes: int) -> int:
-    """x^(8 * nbytes) mod P."""
-    result, k, n = 1 << 31, 0, 8 * nbytes
-    while n:
-        if n & 1:
-            result = _crc_mul(_X_POW_2K[k], result)
-        n >>= 1
-        k += 1
-    return result
+def checksum_bytes(data: bytes | memoryview, algorithm: str = CHECKSUM_ALGORITHM) -> str:
+    h = new_hasher(algorithm)
+    h.update(data)
+    return h.hexdigest()
 
 
-def crc32_of_suffix(crc_all: int, crc_prefix: int, suffix_len: int) -> int:
-    """crc32(B) from crc32(A + B), crc32(A) and len(B)."""
-    return crc_all ^ _crc_mul(_x_pow_8n(suffix_len), crc_prefix)
-
-
-def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
-    """crc32(A + B) from crc32(A), crc32(B) and len(B) (zlib's crc32_combine)."""
-    return _crc_mul(_x_pow_8n(len_b), crc_a) ^ crc_b
+def checksum_file(path: Path, algorithm: str = CHECKSUM_ALGORITHM) -> tuple[int, str]:
+    """(size, hex checksum) of a file, streamed."""
+    h, size = new_hasher(algorithm), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
 
 
 class ChecksumWriter:
-    """A write-only file wrapper that computes size and checksum of what passes through it.
+    """A write-only file wrapper that computes size and checksum of what passes through it (buffered I/O).
 
-    Computing the checksum while writing means a save reads nothing back; ``zlib.crc32`` releases the GIL for large
-    buffers, so it does not stall a training thread.
+    Hashing while writing means a save reads nothing back. Used where the bytes must go through someone else's stream
+    (DCP's file writer, an S3 upload) and as the buffered fallback where the filesystem refuses O_DIRECT.
     """
 
     def __init__(self, raw: BinaryIO, write_behind: int = 0):
         self._raw = raw
         self.size = 0
-        self.crc = 0
+        self._hash = new_hasher()
         self.error: OSError | None = None  # the first I/O error, which torch.save's zip writer would mask
         self._write_behind = write_behind
         self._hinted = 0
 
-    def write(self, data, crc: int | None = None) -> int:
-        """Write ``data``; ``crc`` = its crc32 if the caller already has it (then no pass over the bytes here)."""
+    @property
+    def digest(self) -> str:
+        return self._hash.hexdigest()
+
+    def record(self) -> dict:
+        """The manifest's record of the bytes written so far."""
+        return {"size": self.size, CHECKSUM_ALGORITHM: self.digest}
+
+    def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        self.crc = zlib.crc32(view, self.crc) if crc is None else crc32_combine(self.crc, crc, len(view))
+        self._hash.update(view)
         self.size += len(view)
         try:
             written = self._raw.write(view)
@@ -97,9 +109,8 @@ class ChecksumWriter:
     def _start_writeback(self) -> None:
         """Ask the kernel to start writing what we have written so far (POSIX_FADV_DONTNEED starts asynchronous
         writeback of dirty pages on Linux, as PostgreSQL's flush hints do). Without it nothing reaches the disk
-        before the final fsync (dirty pages stay below the background threshold), so the disk idles while we write
-        and the fsync then waits for everything. Durability is unchanged: the final fsync still decides. A hint
-        only: if the file or platform does not support it, it is switched off."""
+        before the final fsync, so the disk idles while we write and the fsync then waits for everything.
+        Durability is unchanged: the final fsync still decides. A hint only: switched off where unsupported."""
         try:
             os.posix_fadvise(self._raw.fileno(), self._hinted, self.size - self._hinted, os.POSIX_FADV_DONTNEED)
             self._hinted = self.size
@@ -120,18 +131,209 @@ class ChecksumWriter:
         return True
 
 
-def checksum_file(path: Path) -> tuple[int, str]:
-    """(size, crc32 hex) of a file, streamed."""
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-    return size, f"{crc:08x}"
+# --- O_DIRECT -------------------------------------------------------------------------------------------------------
+# A buffered write copies every byte into the page cache (~5x a memcpy of CPU per byte, measured) before the disk sees
+# it; O_DIRECT hands the disk our own pages. The price: memory, file offsets and lengths must be PAGE-aligned. Whether
+# a filesystem takes O_DIRECT (tmpfs and some network filesystems do not) is probed once per filesystem.
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_direct_ok: dict[int, bool] = {}
+_direct_lock = threading.Lock()
 
 
-def checksum_bytes(data: bytes | memoryview) -> str:
-    return f"{zlib.crc32(data):08x}"
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """Anonymous, page-aligned memory (mmap), at least one page, faulted in at once (MAP_POPULATE: one kernel call
+    instead of a page fault per 4 KiB while the disk's data arrives)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(-1, max(PAGE, -(-nbytes // PAGE) * PAGE), flags=flags)
+
+
+def address(view: memoryview) -> int:
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
+
+
+def direct_io(folder: Path) -> bool:
+    """True if files in ``folder`` can be written and read with O_DIRECT (probed once per filesystem; the knob
+    PYRECOVER_DIRECT_IO=off forces buffered I/O)."""
+    if not _O_DIRECT or os.environ.get("PYRECOVER_DIRECT_IO", "auto").lower() in ("off", "0", "false", "no"):
+        return False
+    try:
+        dev = os.stat(folder).st_dev
+    except OSError:
+        return False
+    with _direct_lock:
+        if dev not in _direct_ok:
+            _direct_ok[dev] = _probe_direct(Path(folder))
+        return _direct_ok[dev]
+
+
+def _probe_direct(folder: Path) -> bool:
+    probe = folder / f".direct-probe-{uuid.uuid4().hex[:8]}"
+    buf = aligned_buffer(PAGE)
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o600)
+        try:
+            return os.pwrite(fd, buf, 0) == PAGE
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        buf.close()
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+
+
+def io_mode(folder: Path) -> str:
+    """One line for the log: how checkpoint bytes land in ``folder``."""
+    if direct_io(folder):
+        return f"checkpoint I/O: O_DIRECT writes in {folder} (from page-aligned buffers, no page-cache copy); verified reads through the page cache"
+    why = ("PYRECOVER_DIRECT_IO=off" if os.environ.get("PYRECOVER_DIRECT_IO", "auto").lower() in ("off", "0", "false", "no")
+           else "the filesystem refuses O_DIRECT")
+    return f"checkpoint I/O: buffered writes in {folder} ({why}); verified reads through the page cache"
+
+
+class _BouncePool:
+    """Page-aligned staging buffers for bytes that do not arrive page-aligned (torch.save's stream, zip headers, the
+    last partial page), reused across files so a save does not fault in fresh memory."""
+
+    SIZE = 8 << 20
+
+    def __init__(self):
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def get(self) -> mmap.mmap:
+        with self._lock:
+            return self._free.pop() if self._free else aligned_buffer(self.SIZE)
+
+    def put(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            if len(self._free) < 4:
+                self._free.append(buf)
+
+
+_BOUNCE = _BouncePool()
+
+
+class DirectWriter(ChecksumWriter):
+    """Sequential writes onto an O_DIRECT file descriptor, hashing as they pass. Page-aligned memory that arrives while
+    the file offset is page-aligned goes straight to the disk; anything else is staged in a bounce buffer. ``finish``
+    writes the last partial page zero-padded and truncates the file to its true size."""
+
+    def __init__(self, fd: int):
+        super().__init__(raw=None)  # type: ignore[arg-type]
+        self._fd = fd
+        self._bounce = _BOUNCE.get()
+        self._view = memoryview(self._bounce)
+        self._fill = 0
+        self._offset = 0  # file offset of the bounce buffer's first byte (always page-aligned)
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        self._hash.update(view)
+        self.size += n
+        pos = 0
+        if self._fill == 0 and n >= PAGE and address(view) % PAGE == 0:
+            pos = n // PAGE * PAGE
+            self._pwrite(view[:pos])
+        while pos < n:
+            take = min(n - pos, len(self._view) - self._fill)
+            self._view[self._fill:self._fill + take] = view[pos:pos + take]
+            self._fill += take
+            pos += take
+            if self._fill == len(self._view):
+                self._pwrite(self._view)
+                self._fill = 0
+        return n
+
+    def _pwrite(self, view: memoryview) -> None:
+        done = 0
+        try:
+            while done < len(view):
+                done += os.pwrite(self._fd, view[done:], self._offset + done)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+        self._offset += done
+
+    def finish(self) -> None:
+        if self._fill:
+            padded = -(-self._fill // PAGE) * PAGE
+            self._view[self._fill:padded] = bytes(padded - self._fill)
+            self._pwrite(self._view[:padded])
+            self._fill = 0
+        os.ftruncate(self._fd, self.size)
+
+    def release(self) -> None:
+        self._view.release()
+        _BOUNCE.put(self._bounce)
+
+    def flush(self) -> None:
+        pass
+
+
+def read_verified(path: Path, size: int, algorithm: str, expected: str) -> memoryview:
+    """A whole file's bytes, hashed as they arrive and checked against the manifest's size and checksum (else
+    CheckpointError). The file is mapped read-only with MAP_POPULATE: the kernel reads it ahead in large requests
+    straight into the page cache, and the returned memory IS those pages, so nothing is copied before torch.load
+    parses it. Measured here on a cold 1 GiB file: as fast as an O_DIRECT read into a ready buffer (0.33 s against
+    0.39 s), at a tenth of the CPU of an O_DIRECT read into fresh memory, whose pages the kernel must zero first."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise CheckpointError(f"{path} has {actual} bytes, manifest says {size}: truncated or replaced")
+        if size == 0:
+            data = memoryview(b"")
+        else:
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            data = memoryview(mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ))
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    h = new_hasher(algorithm)
+    for a in range(0, size, _CHUNK):  # chunked: a read error surfaces as what it is, not mid-way through a hash call
+        h.update(data[a:a + _CHUNK])
+    if h.hexdigest() != expected:
+        raise CheckpointError(f"{path} fails its checksum ({algorithm}): the file is corrupted")
+    return data
+
+
+class MemoryFile(io.RawIOBase):
+    """A read-only, seekable file over memory, with ``readinto``, so torch.load copies each tensor once from the
+    verified bytes instead of going through an intermediate ``bytes`` object."""
+
+    def __init__(self, view: memoryview):
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        out = memoryview(b).cast("B")
+        n = min(len(out), len(self._view) - self._pos)
+        out[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
 
 
 def fsync_dir(path: Path) -> None:
@@ -147,18 +349,12 @@ def _tmp_name(path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path, *, fsync_parent: bool = True) -> Iterator[BinaryIO]:
-    """Open a temporary file beside ``path`` for writing; on success flush, fsync, rename it over ``path`` and fsync
-    the directory. On any error the temporary file is removed and ``path`` is untouched. The file is a real (seekable)
-    file, for writers that patch a header afterwards (dataset.py's token cache)."""
-    path = Path(path)
+def _replacing(path: Path, fsync_parent: bool) -> Iterator[Path]:
+    """The commit protocol of one file: the caller writes and fsyncs the yielded temporary path; on success it is
+    renamed over ``path`` and the directory fsynced; on any error it is removed and ``path`` is untouched."""
     tmp = _tmp_name(path)
     try:
-        with open(tmp, "wb") as raw:
-            yield raw
-            raw.flush()
-            fault_point("after_write_before_fsync", path)
-            os.fsync(raw.fileno())
+        yield tmp
         fault_point("after_fsync_before_rename", path)
         os.replace(tmp, path)
     except BaseException:
@@ -169,6 +365,19 @@ def atomic_file(path: Path, *, fsync_parent: bool = True) -> Iterator[BinaryIO]:
         raise
     if fsync_parent:
         fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, *, fsync_parent: bool = True) -> Iterator[BinaryIO]:
+    """Open a temporary file beside ``path`` for (buffered) writing; on success flush, fsync, rename it over ``path``
+    and fsync the directory. A real, seekable file, for writers that patch a header afterwards (dataset.py)."""
+    path = Path(path)
+    with _replacing(path, fsync_parent) as tmp:
+        with open(tmp, "wb") as raw:
+            yield raw
+            raw.flush()
+            fault_point("after_write_before_fsync", path)
+            os.fsync(raw.fileno())
 
 
 @contextlib.contextmanager
@@ -185,11 +394,31 @@ def real_io_errors(writer: ChecksumWriter) -> Iterator[ChecksumWriter]:
 
 
 def atomic_write(path: Path, fill: Callable[[ChecksumWriter], None], *, fsync_parent: bool = True) -> dict:
-    """Write ``path`` atomically via ``fill(writer)``; return ``{"size", "crc32"}`` of the bytes written."""
-    with atomic_file(path, fsync_parent=fsync_parent) as raw:
-        with real_io_errors(ChecksumWriter(raw, write_behind=WRITE_BEHIND)) as writer:
-            fill(writer)
-    return {"size": writer.size, CHECKSUM_ALGORITHM: f"{writer.crc:08x}"}
+    """Write ``path`` atomically and durably via ``fill(writer)`` (O_DIRECT where the filesystem takes it); return the
+    manifest record ``{"size", <algorithm>}`` of the bytes written, hashed as they passed."""
+    path = Path(path)
+    with _replacing(path, fsync_parent) as tmp:
+        if direct_io(path.parent):
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT | os.O_CLOEXEC, 0o644)
+            writer = DirectWriter(fd)
+            try:
+                with real_io_errors(writer):
+                    fill(writer)
+                    writer.finish()
+                fault_point("after_write_before_fsync", path)
+                os.fsync(fd)
+            finally:
+                writer.release()
+                os.close(fd)
+        else:
+            with open(tmp, "wb") as raw:
+                writer = ChecksumWriter(raw, write_behind=WRITE_BEHIND)
+                with real_io_errors(writer):
+                    fill(writer)
+                raw.flush()
+                fault_point("after_write_before_fsync", path)
+                os.fsync(raw.fileno())
+    return writer.record()
 
 
 def atomic_write_bytes(path: Path, data: bytes, *, fsync_parent: bool = True) -> dict:

@@ -24,7 +24,7 @@ from typing import Callable
 
 from . import storage
 from .errors import CheckpointError
-from .fsio import CHECKSUM_ALGORITHM, atomic_write_bytes, checksum_file, fault_point, fsync_dir  # noqa: F401
+from .fsio import CHECKSUM_ALGORITHM, HASHERS, atomic_write_bytes, checksum_bytes, fault_point, fsync_dir  # noqa: F401
 
 FORMAT_VERSION = 1
 BACKEND_NAMES = ("vanilla", "concurrent", "dcp")  # = checkpoint.backends.BACKENDS (a test keeps them equal)
@@ -121,7 +121,8 @@ def commit(step_dir: Path, step: int, world_size: int, backend: str, parts: list
     data = json.dumps(manifest, indent=1).encode()
     rec = storage.write_bytes(step_dir / MANIFEST, data)
     fault_point("after_manifest_before_commit", step_dir)
-    storage.write_bytes(step_dir / COMMITTED, json.dumps({"manifest_crc32": rec["crc32"]}).encode())
+    marker = {f"manifest_{CHECKSUM_ALGORITHM}": rec[CHECKSUM_ALGORITHM]}
+    storage.write_bytes(step_dir / COMMITTED, json.dumps(marker).encode())
     storage.sync_dir(step_dir.parent)
 
 
@@ -166,12 +167,14 @@ def read_manifest(step_dir: Path) -> dict:
         raw = (step_dir / MANIFEST).read_bytes()
     except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{step_dir}: unreadable {MANIFEST}/{COMMITTED} ({e})") from None
-    from .fsio import checksum_bytes
-
-    if not isinstance(marker, dict) or not isinstance(marker.get("manifest_crc32"), str):
-        raise CheckpointError(f"{step_dir / COMMITTED} is malformed: expected a JSON object holding manifest_crc32, "
-                              f"found {_show(marker)}; the checkpoint was damaged or tampered with")
-    if checksum_bytes(raw) != marker["manifest_crc32"]:
+    # The marker names its algorithm in its key: {"manifest_xxh3_64": ...}, or {"manifest_crc32": ...} from earlier
+    # versions.
+    algorithm = next((a for a in HASHERS if isinstance(marker, dict) and isinstance(marker.get(f"manifest_{a}"), str)),
+                     None)
+    if algorithm is None:
+        raise CheckpointError(f"{step_dir / COMMITTED} is malformed: expected a JSON object holding manifest_"
+                              f"{CHECKSUM_ALGORITHM}, found {_show(marker)}; the checkpoint was damaged or tampered with")
+    if checksum_bytes(raw, algorithm) != marker[f"manifest_{algorithm}"]:
         raise CheckpointError(f"{step_dir / MANIFEST} does not match its commit marker: corrupted or tampered with")
     try:
         manifest = json.loads(raw)
@@ -225,9 +228,9 @@ def check_manifest(manifest, step_dir: Path) -> dict:
         if not ok(manifest[key]):
             bad(f"{key} is {_show(manifest[key])}, expected {expected}")
     algorithm = manifest["checksum"]
-    if algorithm != CHECKSUM_ALGORITHM:
+    if algorithm not in HASHERS:
         raise CheckpointError(f"{where} uses checksum algorithm {algorithm[:40]!r}; this PyRecover verifies "
-                              f"{CHECKSUM_ALGORITHM} only")
+                              f"{' and '.join(HASHERS)}: upgrade PyRecover")
     for name, rec in manifest["files"].items():
         safe_relpath(name, step_dir)
         if not isinstance(rec, dict):
@@ -242,21 +245,41 @@ def check_manifest(manifest, step_dir: Path) -> dict:
     return manifest
 
 
-def verify(step_dir: Path, *, checksums: bool = True) -> dict:
-    """Return the manifest if every listed file has its recorded size (and checksum); else raise CheckpointError."""
+# Bytes that verify() just read and checked, kept for the load that follows (one read per file, not two).
+_verified: dict[str, memoryview] = {}
+
+
+def verify(step_dir: Path, *, checksums: bool = True, keep: bool = False) -> dict:
+    """Return the manifest if every listed file has its recorded size (and checksum); else raise CheckpointError.
+    ``keep``: hold the verified bytes of the torch files for ``take_verified`` (the load right after)."""
     manifest = read_manifest(step_dir)
+    algorithm = manifest["checksum"]
+    kept: dict[str, memoryview] = {}
     for name, rec in manifest["files"].items():
         path = storage.as_path(step_dir) / name
         if not path.is_file():
             raise CheckpointError(f"{path} is listed in the manifest but missing")
         if path.stat().st_size != rec["size"]:
             raise CheckpointError(f"{path} has {path.stat().st_size} bytes, manifest says {rec['size']}: truncated")
-        if checksums and storage.checksum(path)[1] != rec[manifest["checksum"]]:
-            raise CheckpointError(f"{path} fails its checksum: the file is corrupted")
+        if checksums:
+            data = storage.read_checked(path, rec["size"], algorithm, rec[algorithm])
+            if keep and name.endswith(".pt"):
+                kept[str(path)] = data
+    _verified.update(kept)
     return manifest
 
 
-def resolve(root: Path, spec: str, *, warn=print) -> CheckpointInfo | None:
+def take_verified(path: Path, record: dict, algorithm: str) -> memoryview:
+    """The bytes of a manifest-listed file: those verify() kept, or read now and verified as they arrive."""
+    data = _verified.pop(str(path), None)
+    return data if data is not None else storage.read_checked(path, record["size"], algorithm, record[algorithm])
+
+
+def drop_verified() -> None:
+    _verified.clear()
+
+
+def resolve(root: Path, spec: str, *, warn=print, keep: bool = False) -> CheckpointInfo | None:
     """Turn `latest`, a step number, or a path into a verified checkpoint.
 
     `latest` walks back from the newest committed checkpoint, skipping (with a warning naming it) any that fails
@@ -270,7 +293,7 @@ def resolve(root: Path, spec: str, *, warn=print) -> CheckpointInfo | None:
                 warn(f"skipping {info.path}: not committed (interrupted save)")
                 continue
             try:
-                info.manifest = verify(info.path)
+                info.manifest = verify(info.path, keep=keep)
                 return info
             except CheckpointError as e:
                 warn(f"skipping {info.path}: {e}")
@@ -285,7 +308,7 @@ def resolve(root: Path, spec: str, *, warn=print) -> CheckpointInfo | None:
         raise CheckpointError(f"checkpoint {spec!r} not found (looked for {path}); use `python -m checkpoint list {root}`")
     m = STEP_DIR_RE.match(path.name)
     info = CheckpointInfo(int(m.group(1)) if m else -1, path, (path / COMMITTED).exists())
-    info.manifest = verify(path)
+    info.manifest = verify(path, keep=keep)
     info.step = int(info.manifest["step"])
     return info
 

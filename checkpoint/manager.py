@@ -21,7 +21,7 @@ from . import layout, storage
 from .backends import Backend, RankInfo, loader_for
 from .backends.base import BackgroundTask
 from .errors import CheckpointError
-from .fsio import is_disk_full
+from .fsio import io_mode, is_disk_full
 from .lease import Fenced, Lease
 from .state import CheckpointState
 
@@ -286,7 +286,7 @@ class CheckpointManager:
         result: list = [None]
         if self.rank.is_main:
             try:
-                result[0] = layout.resolve(self.root, spec, warn=lambda m: self.log(f"warning: {m}"))
+                result[0] = layout.resolve(self.root, spec, warn=lambda m: self.log(f"warning: {m}"), keep=True)
             except CheckpointError as e:
                 result[0] = e
         if dist.is_initialized() and self.rank.world_size > 1:
@@ -305,7 +305,10 @@ class CheckpointManager:
             backend = loader_for(info.manifest, self.rank)
         except ValueError as e:
             raise CheckpointError(f"{info.path}: {e}") from None
-        backend.load(info.path, info.manifest, state)
+        try:
+            backend.load(info.path, info.manifest, state)
+        finally:
+            layout.drop_verified()
         self.load_seconds = time.perf_counter() - t0
         size = info.size_bytes
         self.log(
@@ -321,6 +324,7 @@ class CheckpointManager:
         this line. Returns the resumed step (None: fresh start)."""
         local = not storage.is_remote(self.root)
         if self.rank.is_main and local:
+            self.log(io_mode(self.root))  # decided once per filesystem; every save and load then uses it
             self._guard("clean up the run directory")
             layout.recover(self.root, own_staging=self._staging.name, log=self.log)
         step = self.load(spec, state) if spec else None

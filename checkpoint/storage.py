@@ -2,7 +2,7 @@
 
 layout.py and manager.py work on *paths*; they call the few functions below for what differs between the two, and
 ``as_path`` turns ``--checkpoint-dir`` into the right kind. For a local ``Path`` every function is exactly the fsio
-primitive it replaces (atomic write + fsync, directory fsync, streamed crc32, rmtree), so the local path is unchanged.
+primitive it replaces (atomic write + fsync, directory fsync, streamed checksum, rmtree), so the local path is unchanged.
 
 S3 (``s3://bucket/prefix``; the ``s3`` extra, s3torchconnector) is configured by the standard AWS variables:
 ``AWS_ENDPOINT_URL`` (e.g. a MinIO/SeaweedFS/Ceph endpoint; path-style addressing is then used), ``AWS_REGION`` (or
@@ -20,13 +20,12 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 from .errors import CheckpointError
-from .fsio import CHECKSUM_ALGORITHM, ChecksumWriter, atomic_write, checksum_file, fsync_dir
+from .fsio import CHECKSUM_ALGORITHM, ChecksumWriter, atomic_write, checksum_file, fsync_dir, new_hasher, read_verified
 
 S3_SCHEME = "s3://"
 _CHUNK = 8 << 20
@@ -49,7 +48,7 @@ def is_remote(p) -> bool:
 
 
 def write_with(path, fill: Callable[[ChecksumWriter], None]) -> dict:
-    """Write ``path`` durably and atomically via ``fill(writer)``; return its ``{"size", "crc32"}`` record."""
+    """Write ``path`` durably and atomically via ``fill(writer)``; return its ``{"size", <algorithm>}`` record."""
     if isinstance(path, S3Path):
         return path.write_with(fill)
     return atomic_write(path, fill)
@@ -65,11 +64,25 @@ def sync_dir(path) -> None:
         fsync_dir(path)
 
 
-def checksum(path) -> tuple[int, str]:
-    """(size, crc32 hex) of a file, streamed."""
+def checksum(path, algorithm: str = CHECKSUM_ALGORITHM) -> tuple[int, str]:
+    """(size, hex checksum) of a file, streamed."""
     if isinstance(path, S3Path):
-        return path.checksum()
-    return checksum_file(path)
+        return path.checksum(algorithm)
+    return checksum_file(path, algorithm)
+
+
+def read_checked(path, size: int, algorithm: str, expected: str) -> memoryview:
+    """A file's bytes, verified against its manifest record as they arrive (raises CheckpointError if they differ)."""
+    if not isinstance(path, S3Path):
+        return read_verified(path, size, algorithm, expected)
+    data = path.read_bytes()
+    if len(data) != size:
+        raise CheckpointError(f"{path} has {len(data)} bytes, manifest says {size}: truncated or replaced")
+    h = new_hasher(algorithm)
+    h.update(data)
+    if h.hexdigest() != expected:
+        raise CheckpointError(f"{path} fails its checksum ({algorithm}): the file is corrupted")
+    return memoryview(data)
 
 
 def rmtree(path) -> None:
@@ -250,14 +263,14 @@ class S3Path:
     def read_text(self) -> str:
         return self.read_bytes().decode()
 
-    def checksum(self) -> tuple[int, str]:
+    def checksum(self, algorithm: str = CHECKSUM_ALGORITHM) -> tuple[int, str]:
         def stream() -> tuple[int, str]:
             reader = client().get_object(self.bucket, self.key)
-            crc, size = 0, 0
+            h, size = new_hasher(algorithm), 0
             while chunk := reader.read(_CHUNK):
-                crc = zlib.crc32(chunk, crc)
+                h.update(chunk)
                 size += len(chunk)
-            return size, f"{crc:08x}"
+            return size, h.hexdigest()
 
         return self._call(stream)
 
@@ -269,8 +282,7 @@ class S3Path:
                 fill(writer)
             return writer
 
-        w = self._call(upload)
-        return {"size": w.size, CHECKSUM_ALGORITHM: f"{w.crc:08x}"}
+        return self._call(upload).record()
 
     def write_bytes(self, data: bytes) -> dict:
         return self.write_with(lambda w: w.write(data))

@@ -24,3 +24,8 @@ def corpus(tmp_path_factory) -> str:
     subprocess.run([PY, "-c", f"import dataset as d; d.load_tokens({str(out)!r}, d.load_tokenizer(d.DEFAULT_TOKENIZER))"],
                    check=True, env=env_for_tests(), cwd=ROOT, capture_output=True, timeout=600)
     return str(out)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "benchmark_smoke: runs a benchmark harness end to end on a tiny schedule "
+                                       "(checks the harness, measures nothing)")

@@ -24,7 +24,7 @@ from helpers import PY, ROOT, TINY, check_weights, env_for_tests, free_port, in_
 sys.path.insert(0, str(ROOT))
 from checkpoint import layout  # noqa: E402
 from checkpoint.errors import CheckpointError  # noqa: E402
-from checkpoint.fsio import checksum_bytes, checksum_file  # noqa: E402
+from checkpoint.fsio import CHECKSUM_ALGORITHM, checksum_bytes, checksum_file  # noqa: E402
 
 STEPS, FREQ = 6, 2
 EXP = "run"
@@ -101,7 +101,7 @@ def _rewrite_manifest(folder: Path, edit) -> None:
     edit(manifest)
     raw = json.dumps(manifest, indent=1).encode()
     (folder / layout.MANIFEST).write_bytes(raw)
-    (folder / layout.COMMITTED).write_text(json.dumps({"manifest_crc32": checksum_bytes(raw)}))
+    (folder / layout.COMMITTED).write_text(json.dumps({f"manifest_{CHECKSUM_ALGORITHM}": checksum_bytes(raw)}))
 
 
 def _rename_entry(manifest: dict, old: str, new: str) -> None:
@@ -185,10 +185,10 @@ def _plant_pickle(folder: Path, marker: Path, name: str = "model.pt") -> None:
     import torch
 
     torch.save({"tok_embeddings.weight": _Payload(marker)}, folder / name)
-    size, crc = checksum_file(folder / name)
+    size, digest = checksum_file(folder / name)
 
     def edit(m):
-        m["files"][name] = {"size": size, "crc32": crc}
+        m["files"][name] = {"size": size, CHECKSUM_ALGORITHM: digest}
 
     _rewrite_manifest(folder, edit)  # checksums and commit marker say: valid
 

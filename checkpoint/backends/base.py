@@ -97,9 +97,6 @@ class Backend(ABC):
     def load(self, step_dir: Path, manifest: dict, state: CheckpointState) -> None:
         """Restore ``state`` in place from a verified checkpoint folder."""
 
-    @staticmethod
-    def owns(manifest: dict) -> bool:
-        return False
 
     def close(self) -> None:
         """Release background resources; in-flight saves have been waited for by the manager."""

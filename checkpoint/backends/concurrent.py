@@ -1,18 +1,16 @@
 """`concurrent`: snapshot the state into reusable host buffers, persist it in the background (CheckFreq / PCcheck style).
 
-    save()        plans the files (pickles the small Python parts NOW), takes a free buffer set from the pool and starts
-                  three threads; returns in milliseconds.
+    save()        plans the files (pickles the small Python parts NOW), takes a free buffer set from the pool, writes the
+                  zip headers into it and starts two threads; returns in milliseconds.
     copier        copies every tensor into the buffer set, in file order, in chunks (pinned host memory + a side
                   stream on CUDA). It runs while forward/backward of the next step runs: the model parameters and the
                   AdamW moments/step counts only change inside ``optimizer.step()``, and train.py calls
                   ``manager.wait_staged()`` right before that, so the copy is consistent. (state_dict() tensors alias
                   the live parameters and optimizer state; tests/test_concurrent.py checks both facts.)
-    checksum      computes the crc32 of each data chunk as soon as the copier has filled it, one chunk ahead of the
-                  writer, so checksumming and writing overlap instead of adding up.
-    writer        streams each file to disk chunk by chunk as soon as that chunk has its crc32 (chunk i is written
-                  while chunk i+1 is checksummed and i+2 copied), through ``fsio.atomic_write`` (tmp name, writeback
-                  started as it goes, fsync, rename), then fsyncs the folder and returns the file records; the
-                  manager then writes the part record and rank 0 commits, exactly as for every other backend.
+    writer        streams each file to disk chunk by chunk as soon as the copier has filled that chunk (chunk i is
+                  hashed and written while chunk i+1 is copied), through ``fsio.atomic_write`` (tmp name, O_DIRECT
+                  where the filesystem takes it, fsync, rename), then fsyncs the folder and returns the file records;
+                  the manager then writes the part record and rank 0 commits, exactly as for every other backend.
 
 Memory: ``max_async`` (N) buffer sets, each allocated once (lazily, when N saves are first in flight at once) and reused;
 host memory is at most N x the staged state size and is reported. The manager never lets more than N saves be in flight,
@@ -20,12 +18,13 @@ so training blocks only (a) before ``optimizer.step()`` while the snapshot copy 
 are already persisting.
 
 Files: the same ``<key>.pt`` / ``rank-NNNNN.pt`` as vanilla, in torch.save's zip format (stored entries, 64-byte aligned
-data, data descriptors, zip64 when large), written by our own streaming writer (torchzip.py) so no byte is copied
-twice and no CRC is computed twice: the manifest's whole-file crc32 comes from fsio's ChecksumWriter, and each zip
-entry's crc32 is derived from it (crc32 "un-combine"). Tensors of one dtype in one file share one storage record
-(views at 64-byte aligned offsets), which ``torch.load(weights_only=True)`` reads back as views. Loading goes through ``vanilla.load_pieces``.
+data, data descriptors, zip64 when large). torchzip.py lays each file out in the buffer set exactly as it will be on
+disk, starting on a page boundary, so each byte is copied once (live tensor -> buffer), hashed once (xxh3, by the
+writer, from the buffer: nothing is read back) and handed to the disk with O_DIRECT from the buffer itself, with no
+page-cache copy. Tensors of one dtype in one file share one storage record (views at 64-byte aligned offsets), which
+``torch.load(weights_only=True)`` reads back as views. Loading goes through ``vanilla.load_pieces``.
 
-Writers are threads, not processes: every heavy step (memcpy, crc32, write, fsync) releases the GIL, and a process
+Writers are threads, not processes: every heavy step (memcpy, xxh3, write, fsync) releases the GIL, and a process
 would need the state in shared memory plus its own cleanup on SIGKILL (an orphaned writer must never write into a
 folder a restarted run has reused); `python -m checkpoint.bench` measures the training-throughput dip of both.
 
@@ -39,21 +38,18 @@ PYRECOVER_TEST_PERSIST_DELAY_S=<seconds> which makes each payload file take that
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
-import uuid
-import zlib
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
-from ..fsio import ChecksumWriter, atomic_write, fault_point, fsync_dir
+from ..fsio import PAGE, ChecksumWriter, atomic_write, fault_point, fsync_dir
 from ..state import CheckpointState
 from .base import Backend, PayloadHandle, RankInfo
-from .torchzip import ALIGN, FilePlan, Plan, StorageRef, TorchZipWriter, plan_pieces
+from .torchzip import FilePlan, Plan, plan_pieces
 from .vanilla import load_pieces, payload_pieces
 
 MiB = 1 << 20
@@ -62,10 +58,12 @@ DEFAULT_CHUNK = 16 * MiB
 
 # --- the buffer pool ------------------------------------------------------------------------------------------------
 class BufferSet:
-    """One contiguous host buffer holding one staged checkpoint (pinned when CUDA is in use)."""
+    """One contiguous, page-aligned host buffer holding one staged checkpoint (pinned when CUDA is in use)."""
 
     def __init__(self, nbytes: int, pin: bool):
-        self.tensor = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)  # zeroed once: touches every page now
+        raw = torch.zeros(nbytes + PAGE, dtype=torch.uint8, pin_memory=pin)  # zeroed once: touches every page now
+        skip = -raw.data_ptr() % PAGE  # O_DIRECT writes straight from here
+        self.tensor = raw[skip:skip + nbytes]
         self.array = self.tensor.numpy()
         self.nbytes = nbytes
         self.pinned = pin
@@ -124,10 +122,7 @@ class _Snapshot(PayloadHandle):
         self.buf = buf
         self.copied = 0  # bytes of the buffer set that hold their final value (monotonic, in buffer order)
         self.copy_error: BaseException | None = None
-        self.checksum_error: BaseException | None = None
         self.write_error: BaseException | None = None
-        self.chunk_crcs: dict[int, int] = {}  # buffer offset of a data chunk -> its crc32, until the writer takes it
-        self._stop_checksums = False  # the writer failed: the checksum thread stops reading the buffer
         self.files: dict[str, dict] = {}
         self._written = 0
         self._halfway_hit = False
@@ -136,12 +131,13 @@ class _Snapshot(PayloadHandle):
         self._t0 = time.perf_counter()
         self._cond = threading.Condition()
         self._cuda_events: dict[int, torch.cuda.Event] = {}
+        for fp in plan.files:  # headers and the pickled structure: final now, before any thread reads the buffer
+            for off, part in fp.parts:
+                buf.array[off:off + len(part)] = np.frombuffer(part, dtype=np.uint8)
         self._enqueue_device_copies()
         self._copier = threading.Thread(target=self._copy, name=f"ckpt-copy-{step_dir.name}", daemon=True)
-        self._checksummer = threading.Thread(target=self._checksum, name=f"ckpt-crc-{step_dir.name}", daemon=True)
         self._writer = threading.Thread(target=self._write, name=f"ckpt-write-{step_dir.name}", daemon=True)
         self._copier.start()
-        self._checksummer.start()
         self._writer.start()
 
     # copy -----------------------------------------------------------------------------------------------------------
@@ -203,44 +199,6 @@ class _Snapshot(PayloadHandle):
             if self.copy_error is not None:
                 raise self.copy_error
 
-    # checksum -------------------------------------------------------------------------------------------------------
-    def _record_chunks(self, ref: StorageRef) -> Iterator[tuple[int, int]]:
-        """[start, end) in the buffer of each data chunk (at most ``chunk`` bytes) of one zip record. The checksum
-        thread and the writer both walk the records through this, so they agree on every chunk boundary."""
-        end = ref.offset + ref.nbytes
-        for a in range(ref.offset, end, self.backend.chunk):
-            yield a, min(a + self.backend.chunk, end)
-
-    def _data_chunks(self) -> Iterator[tuple[int, int]]:
-        for fp in self.plan.files:
-            for ref in fp.records:
-                yield from self._record_chunks(ref)
-
-    def _checksum(self) -> None:
-        self._lower_priority()
-        view = memoryview(self.buf.array)
-        try:
-            for a, b in self._data_chunks():
-                self._wait_copied(b)
-                if self._stop_checksums:
-                    return
-                crc = zlib.crc32(view[a:b])  # releases the GIL
-                with self._cond:
-                    self.chunk_crcs[a] = crc
-                    self._cond.notify_all()
-        except BaseException as e:  # noqa: BLE001 - the writer re-raises it
-            with self._cond:
-                self.checksum_error = e
-                self._cond.notify_all()
-
-    def _wait_checksum(self, start: int) -> int:
-        with self._cond:
-            while start not in self.chunk_crcs and self.checksum_error is None:
-                self._cond.wait()
-            if start not in self.chunk_crcs:
-                raise self.checksum_error
-            return self.chunk_crcs.pop(start)
-
     # write ----------------------------------------------------------------------------------------------------------
     def _lower_priority(self) -> None:
         if self.backend.writer_nice:
@@ -263,34 +221,24 @@ class _Snapshot(PayloadHandle):
             self.durable_s = time.perf_counter() - self._t0
         except BaseException as e:  # noqa: BLE001 - re-raised in the training process by wait()
             self.write_error = e
-            self._stop_checksums = True
         finally:
-            # Never hand the buffer to the next save while this one still copies into it or checksums it.
-            self._copier.join()
-            self._checksummer.join()
+            self._copier.join()  # never hand the buffer to the next save while this one still copies into it
             self.backend._finished(self)
 
     def _fill(self, out: ChecksumWriter, fp: FilePlan, path: Path) -> None:
+        """Write one file image from the buffer, each chunk as soon as the copier has filled it. Chunks start on page
+        boundaries of the buffer and of the file, so O_DIRECT takes them as they are."""
         view = memoryview(self.buf.array)
-        zw = TorchZipWriter(out)
-        zw.add("data.pkl", fp.pickle)
-        zw.add(".format_version", b"1")
-        zw.add(".storage_alignment", str(ALIGN).encode())
-        zw.add("byteorder", sys.byteorder.encode())
-        for ref in fp.records:
-            begun = zw.begin(f"data/{ref.key}")
-            for a, b in self._record_chunks(ref):
-                crc = self._wait_checksum(a)
-                fault_point("concurrent_write_chunk", path)
-                if not self._halfway_hit and self._written + (b - a) >= self.plan.tensor_bytes // 2:
-                    self._halfway_hit = True  # once per save: a crash in the middle of a background persist
-                    fault_point("concurrent_persist_half", path)
-                out.write(view[a:b], crc)
-                self._written += b - a
-            zw.end(begun)
-        zw.add("version", b"3\n")
-        zw.add(".data/serialization_id", str(uuid.uuid4().int).encode())
-        zw.close()
+        end = fp.base + fp.size
+        for a in range(fp.base, end, self.backend.chunk):
+            b = min(a + self.backend.chunk, end)
+            self._wait_copied(b)
+            fault_point("concurrent_write_chunk", path)
+            if not self._halfway_hit and self._written + (b - a) >= self.plan.nbytes // 2:
+                self._halfway_hit = True  # once per save: a crash in the middle of a background persist
+                fault_point("concurrent_persist_half", path)
+            out.write(view[a:b])
+            self._written += b - a
         if self.backend.after_file is not None:
             self.backend.after_file(path)  # test-only hook: a slow disk, or a gate held by a unit test
 
@@ -336,7 +284,7 @@ class ConcurrentBackend(Backend):
         if chunk_mib <= 0:
             raise ValueError(f"chunk size must be positive, got {chunk_mib} MiB")
         self.max_in_flight = int(max_async)
-        self.chunk = max(ALIGN, int(chunk_mib * MiB) // ALIGN * ALIGN)
+        self.chunk = max(PAGE, int(chunk_mib * MiB) // PAGE * PAGE)
         self.log = log if log is not None else (print if rank.is_main else (lambda m: None))
         self.pool = BufferPool(self.max_in_flight, self.log)
         # Test-only: called by the writer after each payload file's bytes (before its fsync). The env knob simulates a
@@ -391,9 +339,6 @@ class ConcurrentBackend(Backend):
     def load(self, step_dir: Path, manifest: dict, state: CheckpointState) -> None:
         load_pieces(step_dir, manifest, state, self.rank.rank)
 
-    @staticmethod
-    def owns(manifest: dict) -> bool:
-        return manifest.get("backend") == "concurrent"
 
     def memory_report(self) -> str:
         bound = self.max_in_flight * self.state_bytes

@@ -11,8 +11,9 @@ Files in a step folder (local or ``s3://``):
                            a commit (no directory fsync, no checksums, nothing about the non-tensor state).
 
 Every file a rank writes goes through a checksumming wrapper around DCP's storage writer, so the part record gets the
-crc32 of the bytes as they were written (nothing is read back). Writers: ``FileSystemWriter(sync_files=True)`` locally
-(+ a directory fsync here), s3torchconnector's ``S3StorageWriter`` for ``s3://`` (region/endpoint from ``AWS_*``).
+checksum of the bytes as they were written (nothing is read back). Writers: ``FileSystemWriter(sync_files=True)``
+locally (+ a directory fsync here), s3torchconnector's ``S3StorageWriter`` for ``s3://`` (region/endpoint from
+``AWS_*``).
 
 Loading builds the destination from the *current* model and optimizer (``get_state_dict`` with ``full=False``: DTensor
 shards under FSDP, plain tensors otherwise), lets DCP fill it — DCP reshards, so a checkpoint saved by N ranks loads on
@@ -27,14 +28,33 @@ rank) so the background save's collectives never interleave with training's; a `
 side stream on CUDA) copies the state in a background thread while forward/backward of the next step runs, and
 ``PayloadHandle.wait_staged`` (called by train.py right before ``optimizer.step()``) blocks until that copy is done.
 The stager reuses its staging buffers, which is safe because at most one save is in flight (``max_in_flight = 1``).
+
+``--async-checkpoint process``: the same, but DCP runs the save in its own background process (``async_save`` with
+``AsyncCheckpointerType.PROCESS``), so serializing and checksumming take no GIL time from training. DCP spawns that
+process at the first save (one per rank; they form their own gloo group) and keeps it; every save pickles the storage
+writer and the staged state to it -- staged in shared memory, so tensors travel as handles -- and its save plans are
+cached there. The checksumming wrapper then runs in that process: it leaves this rank's file records in a small JSON
+file (``.dcp-records-rank-N.json`` in the step folder; for ``s3://`` in a local temporary folder), which
+``PayloadHandle.wait`` reads and removes once DCP reports success; errors there (ENOSPC, EIO) come back through DCP
+and are raised by ``wait`` as in thread mode. A single-process run gets a 1-rank gloo group for DCP to start that
+process with. Its logging is silenced in ``checkpoint/__init__.py``.
+
+The save process never commits: it writes payload files only; part records, manifest and COMMITTED are the training
+process's (after ``wait``). ``close`` stops it (train.py also terminates it on an error exit, since os._exit skips
+multiprocessing's exit handler that would); if the training process is killed, it finishes at most the file it is
+writing -- it starts and renames no file once its parent is gone -- and exits when its pipe to the training process
+closes. Anything it left is in an uncommitted staging folder, never loaded and swept by the next incarnation.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import pickle
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -52,7 +72,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import storage
 from ..errors import CheckpointError
-from ..fsio import CHECKSUM_ALGORITHM, ChecksumWriter, fault_point, real_io_errors
+from ..fsio import ChecksumWriter, fault_point, real_io_errors
 from ..state import CheckpointState, ModelState, OptimizerState, check_compatible
 from .base import Backend, CompletedPayload, PayloadHandle, RankInfo
 from .vanilla import load_pieces, payload_pieces, save_pieces
@@ -132,14 +152,23 @@ class _RecordingStream(ChecksumWriter):
 
 
 class _ChecksumFS:
-    """Wraps the ``fs`` of a DCP FileSystemWriter/S3StorageWriter: every file written through it gets a
-    ``{"size", "crc32"}`` record, keyed by file name, once its stream has been closed (= durable/uploaded)."""
+    """Wraps the ``fs`` of a DCP FileSystemWriter/S3StorageWriter: every file written through it gets a record
+    (``ChecksumWriter.record``: size and checksum), keyed by file name, once its stream has been closed
+    (= durable/uploaded).
 
-    def __init__(self, fs):
+    ``records_file`` (process mode): this object is pickled into DCP's save process and writes there, so ``records``
+    fill up in that process; it also leaves them in this local JSON file after every file, for the training process
+    to read once the save has succeeded (:meth:`_AsyncPayload.wait`)."""
+
+    def __init__(self, fs, records_file: str | None = None):
         self._fs = fs
         self.records: dict[str, dict] = {}
+        self._records_file = records_file
+        self._trainer_pid = os.getpid() if records_file else None
 
     def __getattr__(self, name):
+        if name.startswith("__") or name == "_fs":  # unpickling probes the class before _fs is set
+            raise AttributeError(name)
         return getattr(self._fs, name)
 
     def create_stream(self, path, mode):
@@ -148,28 +177,51 @@ class _ChecksumFS:
 
         @contextlib.contextmanager
         def recording():
+            self._check_trainer_alive(path)
             fault_point("dcp_write_file", path)  # test-only hook (fsio.py): kill or fail inside a DCP save
             with self._fs.create_stream(path, mode) as raw, real_io_errors(_RecordingStream(raw)) as stream:
                 yield stream  # DCP's torch.save would mask ENOSPC; real_io_errors re-raises it
-            self.records[os.path.basename(str(path))] = {"size": stream.size, CHECKSUM_ALGORITHM: f"{stream.crc:08x}"}
+            self.records[os.path.basename(str(path))] = stream.record()
+            self._leave_records()
 
         return recording()
 
     def rename(self, path, new_path) -> None:  # .metadata.tmp -> .metadata
+        self._check_trainer_alive(new_path)
         self._fs.rename(path, new_path)
         rec = self.records.pop(os.path.basename(str(path)), None)
         if rec is not None:
             self.records[os.path.basename(str(new_path))] = rec
+            self._leave_records()
+
+    def _check_trainer_alive(self, path) -> None:
+        """In DCP's save process: start no file and rename none once the training process is gone (the save process is
+        then an orphan, re-parented to another process). What it wrote is harmless anyway -- the commit is the training
+        process's, so an orphaned folder is never COMMITTED -- but this stops it from writing into a run directory
+        another incarnation may already own."""
+        if self._trainer_pid is not None and os.getppid() != self._trainer_pid:
+            raise CheckpointError(f"not writing {path}: the training process {self._trainer_pid} is gone")
+
+    def _leave_records(self) -> None:
+        """Replace the records file (atomically, so the reader never sees half a file). Not fsynced: the training
+        process reads it right after the save and puts the records into its part record, which is durable; a crash
+        before that leaves an uncommitted folder, never loaded."""
+        if self._records_file is None:
+            return
+        tmp = f"{self._records_file}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.records, f)
+        os.replace(tmp, self._records_file)
 
 
-def _writer(step_dir):
+def _writer(step_dir, records_file: str | None = None):
     if storage.is_remote(step_dir):
         from s3torchconnector.dcp import S3StorageWriter
 
         writer = S3StorageWriter(storage.region(), str(step_dir), s3client_config=storage.client_config())
     else:
         writer = FileSystemWriter(step_dir, sync_files=True)
-    writer.fs = _ChecksumFS(writer.fs)
+    writer.fs = _ChecksumFS(writer.fs, records_file)
     return writer
 
 
@@ -323,13 +375,28 @@ def read_section(step_dir, manifest: dict, section: str) -> dict[str, Any]:
 # --- the backend ----------------------------------------------------------------------------------------------------
 
 
+def _take_records(path: str) -> dict[str, dict]:
+    """The file records DCP's save process left in ``path`` (process mode); the file is removed, so a committed folder
+    holds only what its manifest lists. No file: that process wrote no file for this rank."""
+    try:
+        with open(path) as f:
+            records = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except ValueError as e:
+        raise CheckpointError(f"{path}: unreadable file records from DCP's save process ({e})") from None
+    os.unlink(path)
+    return records
+
+
 class _AsyncPayload(PayloadHandle):
-    def __init__(self, response, fs: _ChecksumFS, files: dict[str, dict], step_dir):
+    def __init__(self, response, fs: _ChecksumFS, files: dict[str, dict], step_dir, records_file: str | None = None):
         self._staged = getattr(response, "staging_completion", None)  # AsyncSaveResponse, or a plain Future
         self._upload = getattr(response, "upload_completion", response)
         self._fs = fs
         self._files = files
         self._step_dir = step_dir
+        self._records_file = records_file  # process mode: the records come back in this file, not in self._fs
 
     def wait_staged(self) -> None:
         if self._staged is None:
@@ -344,22 +411,45 @@ class _AsyncPayload(PayloadHandle):
             self._upload.result()
         except (Exception, CheckpointException) as e:
             raise _save_error(e, self._step_dir) from None
+        records = self._fs.records if self._records_file is None else _take_records(self._records_file)
         storage.sync_dir(self._step_dir)
-        return {**self._files, **self._fs.records}
+        return {**self._files, **records}
 
     def done(self) -> bool:
         return self._upload.done()
 
 
+ASYNC_MODES = ("thread", "process")
+
+
+def _stop_save_process() -> None:
+    """End DCP's save process (if one was started) the way its own finalizer does -- a terminate request, then SIGTERM
+    after 5 s -- now rather than at interpreter exit: train.py ends with os._exit, which skips that."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    process, executor._CHECKPOINT_PROCESS = executor._CHECKPOINT_PROCESS, None
+    if process is not None:
+        process.__del__()
+
+
 class DCPBackend(Backend):
+    """``async_save``: False (synchronous ``dcp.save``), True or "thread" (``dcp.async_save`` in a background thread),
+    "process" (in DCP's background save process). See the module docstring."""
+
     name = "dcp"
     max_in_flight = 1  # the stager reuses its staging buffers: the next save starts after the previous is durable
 
-    def __init__(self, rank: RankInfo, *, async_save: bool = False):
+    def __init__(self, rank: RankInfo, *, async_save: bool | str = False):
         super().__init__(rank)
-        self.async_save = async_save
+        mode = "thread" if async_save is True else async_save or None
+        if mode is not None and mode not in ASYNC_MODES:
+            raise ValueError(f"async_save must be False, True or one of {ASYNC_MODES}, got {async_save!r}")
+        self.async_mode: str | None = mode
+        self.async_save = mode is not None
         self._group = None
         self._stager = None
+        self._solo_group = False  # process mode without a process group: this backend made a 1-rank one
+        self._records_dir: str | None = None
 
     # -- save --
     def _write_rest(self, step_dir, state: CheckpointState) -> dict[str, dict]:
@@ -383,19 +473,64 @@ class DCPBackend(Backend):
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+            # process mode: the staged copy is handed to the save process with every save; in shared memory that is
+            # a handle per tensor, not a copy of the bytes
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda,
+                                                        use_shared_memory=self.async_mode == "process",
                                                         use_async_staging=True, use_non_blocking_copy=cuda))
         return self._stager
+
+    def _ensure_process_group(self) -> None:
+        """DCP starts its save process through a process group even for one rank (rank 0 picks the save processes'
+        rendezvous port and broadcasts it). A single-process run has none: give it a 1-rank gloo group on an
+        in-memory store; the save process's own group then meets on this host."""
+        if not _dist():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            self._solo_group = True
+
+    def _records_file(self, step_dir) -> str:
+        """Where DCP's save process leaves this rank's file records: in the step folder when it is local (a run that
+        dies mid-save leaves it in an uncommitted folder, swept with it), else in a private local folder."""
+        name = f".dcp-records-rank-{self.rank.rank:05d}.json"
+        if not storage.is_remote(step_dir):
+            return str(Path(step_dir) / name)
+        if self._records_dir is None:
+            self._records_dir = tempfile.mkdtemp(prefix="pyrecover-dcp-")
+        path = os.path.join(self._records_dir, name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a failed earlier save's: never mistaken for this one's
+        return path
+
+    def _async_save(self, tensors: dict, step_dir, files: dict[str, dict]) -> PayloadHandle:
+        if self.async_mode == "thread":
+            writer = _writer(step_dir)
+            response = dcp.async_save(tensors, storage_writer=writer, process_group=self._checkpoint_group(),
+                                      async_stager=self._async_stager(), no_dist=not _dist())
+            return _AsyncPayload(response, writer.fs, files, step_dir)
+        # Process mode. DCP pickles the writer (with its _ChecksumFS) and the staged state into its save process,
+        # spawned at the first save and kept for the run; the records come back through the records file. Save plans
+        # are cached (DCP skips re-planning when nothing changed): the cache lives in that process, used by these
+        # saves only.
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        self._ensure_process_group()
+        records_file = self._records_file(step_dir)
+        writer = _writer(step_dir, records_file)
+        response = dcp.async_save(tensors, storage_writer=writer, planner=DefaultSavePlanner(enable_plan_caching=True),
+                                  process_group=self._checkpoint_group(),
+                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                  async_stager=self._async_stager(), no_dist=False)
+        return _AsyncPayload(response, writer.fs, files, step_dir, records_file)
 
     def save(self, step_dir: Path, state: CheckpointState) -> PayloadHandle:
         tensors = {k: state[k].state_dict() for k in TENSOR_KEYS if k in state}
         files = self._write_rest(step_dir, state)
-        writer = _writer(step_dir)
         try:
-            if self.async_save:
-                response = dcp.async_save(tensors, storage_writer=writer, process_group=self._checkpoint_group(),
-                                          async_stager=self._async_stager(), no_dist=not _dist())
-                return _AsyncPayload(response, writer.fs, files, step_dir)
+            if self.async_mode is not None:
+                return self._async_save(tensors, step_dir, files)
+            writer = _writer(step_dir)
             dcp.save(tensors, storage_writer=writer, no_dist=not _dist())
         except (Exception, CheckpointException) as e:
             raise _save_error(e, step_dir) from None
@@ -418,11 +553,16 @@ class DCPBackend(Backend):
         rest = CheckpointState({k: v for k, v in state.items() if k not in TENSOR_KEYS})
         load_pieces(step_dir, manifest, rest, self.rank.rank)
 
-    @staticmethod
-    def owns(manifest: dict) -> bool:
-        return manifest.get("backend") == "dcp"
 
     def close(self) -> None:
+        if self.async_mode == "process":
+            _stop_save_process()
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        if self._records_dir is not None:
+            shutil.rmtree(self._records_dir, ignore_errors=True)
+            self._records_dir = None
+        if self._solo_group:
+            dist.destroy_process_group()
+            self._solo_group = False

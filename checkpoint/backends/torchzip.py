@@ -1,12 +1,14 @@
-"""torch.save's file format written as a stream, for the `concurrent` backend (this file is not a backend).
+"""torch.save's file format laid out in memory, for the `concurrent` backend (this file is not a backend).
 
-    plan_pieces(pieces) -> Plan    lay every tensor out in one buffer and pickle each file's structure, as torch.save
-                                    would, but describing tensors by where they will be staged
-    TorchZipWriter(out)             the zip container (stored entries, 64-byte aligned data, data descriptors, zip64),
-                                    written sequentially onto a fsio.ChecksumWriter
-    crc32_of_suffix(...)            a zip entry's crc32 derived from the running whole-file crc32 (no second pass)
+    plan_pieces(pieces) -> Plan    the byte image of every file in one buffer: zip headers, the pickled structure (as
+                                    torch.save would write it, but describing tensors by where they will be staged),
+                                    and a slot for every tensor's bytes. Each file image starts on a page boundary, so
+                                    the staged buffer IS the file and goes to disk with O_DIRECT as it is.
+    TorchZipWriter(out)             the zip container (stored entries, 64-byte aligned data, data descriptors, zip64)
 
-``torch.load(weights_only=True)`` reads the files back (tests/test_concurrent.py checks every dtype, aliasing, zip64).
+Zip entries carry crc32 0, as torch.save writes them with ``compute_crc32`` off: the manifest's xxh3 of the whole
+file is the integrity check, and ``torch.load`` does not check zip crcs. ``torch.load(weights_only=True)`` reads the
+files back (tests/test_concurrent.py checks every dtype, aliasing, zip64).
 """
 
 from __future__ import annotations
@@ -15,14 +17,15 @@ import collections
 import io
 import pickle
 import struct
-import zlib
+import sys
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from ..errors import CheckpointError
-from ..fsio import ChecksumWriter, crc32_of_suffix
+from ..fsio import PAGE
 
 ALIGN = 64  # torch.save's storage alignment: every tensor starts on a 64-byte boundary, in the file and in the buffer
 
@@ -31,45 +34,59 @@ _ZIP64_LIMIT = 0xFFFFFFFF  # tests lower this to run the zip64 records on small 
 _FLAGS = 0x0808  # bit 3: sizes and crc follow the data (data descriptor); bit 11: UTF-8 names — as torch.save writes
 
 
-class TorchZipWriter:
-    """The zip archive torch.save produces (``archive/data.pkl``, ``archive/data/<key>`` ...), written sequentially onto
-    a ChecksumWriter: stored (uncompressed) entries whose data start on 64-byte boundaries (an ``FB`` padding extra
-    field, like torch's), a data descriptor after each entry, zip64 records where sizes or offsets need them."""
+class _Image:
+    """Where TorchZipWriter's output goes at plan time: the small writes are kept with their offsets, a data record
+    only reserves its bytes (the copier fills them later)."""
 
-    def __init__(self, out: ChecksumWriter, archive: str = "archive"):
+    def __init__(self):
+        self.size = 0
+        self.parts: list[tuple[int, bytes]] = []
+
+    def write(self, data: bytes) -> None:
+        self.parts.append((self.size, bytes(data)))
+        self.size += len(data)
+
+    def reserve(self, nbytes: int) -> None:
+        self.size += nbytes
+
+
+class TorchZipWriter:
+    """The zip archive torch.save produces (``archive/data.pkl``, ``archive/data/<key>`` ...): stored (uncompressed)
+    entries whose data start on 64-byte boundaries (an ``FB`` padding extra field, like torch's), a data descriptor
+    after each entry, zip64 records where sizes or offsets need them, crc32 0 (see the module docstring)."""
+
+    def __init__(self, out: _Image, archive: str = "archive"):
         self.out = out
         self.archive = archive
-        self.entries: list[tuple[bytes, int, int, int]] = []  # name, header offset, size, crc32
+        self.entries: list[tuple[bytes, int, int]] = []  # name, header offset, size
 
-    def begin(self, name: str) -> tuple[bytes, int, int, int]:
+    def begin(self, name: str) -> tuple[bytes, int, int]:
         encoded = f"{self.archive}/{name}".encode()
         offset = self.out.size
         pad = -(offset + 30 + len(encoded) + 4) % ALIGN
         extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad
         self.out.write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, _FLAGS, 0, 0, 0, 0, 0, 0, len(encoded), len(extra))
                        + encoded + extra)
-        return encoded, offset, self.out.crc, self.out.size
+        return encoded, offset, self.out.size
 
-    def end(self, begun: tuple[bytes, int, int, int], crc: int | None = None) -> None:
-        encoded, offset, crc_before, start = begun
+    def end(self, begun: tuple[bytes, int, int]) -> None:
+        encoded, offset, start = begun
         size = self.out.size - start
-        if crc is None:
-            crc = crc32_of_suffix(self.out.crc, crc_before, size)
         if size >= _ZIP64_LIMIT or offset >= _ZIP64_LIMIT:
-            self.out.write(struct.pack("<IIQQ", 0x08074B50, crc, size, size))
+            self.out.write(struct.pack("<IIQQ", 0x08074B50, 0, size, size))
         else:
-            self.out.write(struct.pack("<IIII", 0x08074B50, crc, size, size))
-        self.entries.append((encoded, offset, size, crc))
+            self.out.write(struct.pack("<IIII", 0x08074B50, 0, size, size))
+        self.entries.append((encoded, offset, size))
 
     def add(self, name: str, data: bytes) -> None:
         begun = self.begin(name)
         self.out.write(data)
-        self.end(begun, zlib.crc32(data))
+        self.end(begun)
 
     def close(self) -> None:
         cd_offset = self.out.size
         records = []
-        for encoded, offset, size, crc in self.entries:
+        for encoded, offset, size in self.entries:
             sizes, header_offset, z64 = size, offset, []
             if size >= _ZIP64_LIMIT:
                 sizes, z64 = 0xFFFFFFFF, [size, size]
@@ -78,7 +95,7 @@ class TorchZipWriter:
                 z64.append(offset)
             extra = struct.pack(f"<HH{len(z64)}Q", 1, 8 * len(z64), *z64) if z64 else b""
             version = 45 if z64 else 20
-            records.append(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, version, version, _FLAGS, 0, 0, 0, crc, sizes,
+            records.append(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, version, version, _FLAGS, 0, 0, 0, 0, sizes,
                                        sizes, len(encoded), len(extra), 0, 0, 0, 0, header_offset) + encoded + extra)
         directory = b"".join(records)
         self.out.write(directory)
@@ -113,15 +130,17 @@ class StorageRef:
 @dataclass
 class FilePlan:
     name: str
-    pickle: bytes = b""
-    records: list[StorageRef] = field(default_factory=list)
+    base: int = 0  # buffer offset of the file's first byte (page-aligned)
+    size: int = 0  # file size
+    parts: list[tuple[int, bytes]] = field(default_factory=list)  # (buffer offset, bytes): headers and small records
+    records: list[StorageRef] = field(default_factory=list)  # tensor data; StorageRef.offset is a buffer offset
 
 
 @dataclass
 class Plan:
     files: list[FilePlan]
     copies: list[tuple[torch.Tensor, int]]  # (source tensor, byte offset in the buffer set), ascending offsets
-    nbytes: int  # staged bytes (tensor bytes + alignment padding)
+    nbytes: int  # the buffer set's size: every file image, each starting on a page
     tensor_bytes: int
 
 
@@ -171,9 +190,9 @@ def _check_stageable(t: torch.Tensor, where: str) -> None:
 
 
 def plan_pieces(pieces: dict[str, dict]) -> Plan:
-    """Lay every tensor of ``pieces`` out in one buffer (file by file, dtype record by record, 64-byte aligned) and
-    pickle each file's structure. Python values (step counters, learning rates, ...) are captured here, at save time;
-    tensor bytes are not read."""
+    """Lay out the byte image of every file of ``pieces`` in one buffer (file by file, each on a page boundary) and
+    place each tensor in its file's data records (one record per dtype, tensors 64-byte aligned). Python values (step
+    counters, learning rates, ...) are pickled here, at save time; tensor bytes are not read."""
     files, copies, cursor = [], [], 0
     for name, obj in pieces.items():
         records: dict[torch.dtype, StorageRef] = {}
@@ -193,16 +212,31 @@ def plan_pieces(pieces: dict[str, dict]) -> Plan:
             return ref, start // t.element_size()
 
         _Pickler(_NullSink(), place).dump(obj)  # pass 1: find the tensors and size the records
-        for ref in records.values():
-            ref.offset = cursor = _align(cursor)
-            cursor += ref.nbytes
-        copies += [(t, ref.offset + start) for ref, start, t in slots.values()]
         data = io.BytesIO()
         _Pickler(data, place).dump(obj)  # pass 2: same placement, final record sizes in the storage ids
-        files.append(FilePlan(name, data.getvalue(), list(records.values())))
+        fp = FilePlan(name, base=-(-cursor // PAGE) * PAGE, records=list(records.values()))
+        image = _Image()
+        zw = TorchZipWriter(image)
+        zw.add("data.pkl", data.getvalue())
+        zw.add(".format_version", b"1")
+        zw.add(".storage_alignment", str(ALIGN).encode())
+        zw.add("byteorder", sys.byteorder.encode())
+        for ref in fp.records:
+            begun = zw.begin(f"data/{ref.key}")
+            ref.offset = fp.base + image.size
+            image.reserve(ref.nbytes)
+            zw.end(begun)
+        zw.add("version", b"3\n")
+        zw.add(".data/serialization_id", str(uuid.uuid4().int).encode())
+        zw.close()
+        fp.size = image.size
+        fp.parts = [(fp.base + off, part) for off, part in image.parts]
+        copies += [(t, ref.offset + start) for ref, start, t in slots.values()]
+        files.append(fp)
+        cursor = fp.base + fp.size
     copies.sort(key=lambda c: c[1])
     tensor_bytes = sum(t.numel() * t.element_size() for t, _ in copies)
-    return Plan(files, copies, _align(cursor), tensor_bytes)
+    return Plan(files, copies, -(-cursor // PAGE) * PAGE, tensor_bytes)
 
 
 class _NullSink:

@@ -1,0 +1,643 @@
+"""Goodput under a seeded kill schedule: `python -m benchmarks.goodput` (`make goodput ARGS="..."`).
+
+Per configuration (a checkpoint backend and its flags), train.py trains N steps on 2 gloo ranks while the whole job
+(torchrun and every rank) is SIGKILLed at the times of a seeded Poisson process of mean MTBF -- the same times, in wall
+seconds from the configuration's start, for every configuration -- and restarted at once with
+`--resume-from-checkpoint latest`, until it finishes.
+
+    goodput = t0 x N / wall            t0: failure-free step time without checkpoints
+
+Measured before the kill runs: t0 (one run that saves only at its end), and per configuration a failure-free
+calibration run saving every K steps: the extra wall time per save c (its step time against t0), the blocking time per
+save delta and the background persist time P (both as train.py logs them). The kill run's interval is Young/Daly's
+tau = sqrt(2 delta MTBF), at least P (an async save must be durable before the next one starts, or saves queue), in
+steps k = round(tau / t0).
+
+Model. Each kill costs the recovery R (restart to its first step done) and the work since the newest durable
+checkpoint L (expected k t (1 + o) / 2 + P). Failures strike at rate 1/MTBF over the whole wall time T, so
+T = T_ff + (T / MTBF)(R + L), with the failure-free T_ff = S + N t0 (1 + o), o = c / (k t0) and S the one-time start-up
+and final save. Hence
+
+    goodput = (1 - (R + L) / MTBF) / (1 + o + S / (N t0))
+
+exact in expectation for Poisson kills at a given mean cost per kill R + L. Not modelled: that cost depends on MTBF
+(a kill inside a recovery cuts it short, so near MTBF ~ R + L the cost per kill falls). The projections are for a
+long job: S / (N t0) -> 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import math
+import os
+import platform
+import random
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from tests.faults.harness import Run  # finds the launcher and every rank by PID: kill_all() is a whole node lost
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+TRAIN_ARGS = ["--model", "small", "--batch-size", "2", "--sequence-length", "64"]
+RANKS = 2
+KEEP_DIR = ROOT / "checkpoints" / "goodput"
+
+# dcp async has two modes (a thread or a process persists in the background): both run, the better is reported.
+DCP_ASYNC_MODES = {"dcp-async": "--async-checkpoint", "dcp-async-process": "--async-checkpoint process"}
+CONFIGS = {
+    "vanilla": "--checkpoint-backend vanilla",
+    **{name: f"--checkpoint-backend dcp {mode}" for name, mode in DCP_ASYNC_MODES.items()},
+    "concurrent": "--checkpoint-backend concurrent",
+    "concurrent-jit": "--checkpoint-backend concurrent --jit-checkpoint",
+}
+FAMILIES = {"dcp async": tuple(DCP_ASYNC_MODES)}
+PROJECT_MTBF = {"5 min": 300.0, "1 h": 3600.0, "1 day": 86400.0}
+
+RESUMED = re.compile(r"resumed from \S+ \(step (\d+)")
+FRESH = "no checkpoint found"
+RECOVERY = re.compile(r"^recovery: first step after resume ([\d.]+)s.*$", re.M)
+# the end-of-run total also counts the wait for an async save's copy at the next step, which a save's own line may not
+SUMMARY = re.compile(r"checkpointing: (\d+) saves, .*?training blocked ([\d.]+)s")
+SAVED = re.compile(r"checkpoint step (\d+) committed: ([\d.]+) MiB, blocked ([\d.]+)s, durable after ([\d.]+)s")
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# --- running jobs ----------------------------------------------------------------------------------------------------
+
+
+def train_cmd(ckpt_dir: Path, steps: int, every: int, flags: list[str], dataset: str) -> list[str]:
+    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS), "train.py",
+            "--distributed", *TRAIN_ARGS, "--dataset", dataset, "--training-steps", str(steps),
+            "--checkpoint-frequency", str(every), "--checkpoint-dir", str(ckpt_dir), "--exp-name", "run",
+            "--resume-from-checkpoint", "latest", "--log-loss-to-csv", *flags]
+
+
+def loss_rows(path: Path) -> list[tuple[int, float]]:
+    """(step, unix time the step completed) of every complete row of a loss CSV."""
+    rows = []
+    try:
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                try:
+                    rows.append((int(r["step"]), float(r["wall_time"])))
+                except (TypeError, ValueError):  # a row cut short by SIGKILL
+                    pass
+    except FileNotFoundError:
+        pass
+    return rows
+
+
+@dataclass
+class Incarnation:
+    """One start of the job. Times are seconds from the job's start."""
+
+    start: float
+    end: float
+    killed: bool
+    rc: int
+    resumed_from: int | None  # None: killed before it said where it resumed from
+    reached: int | None  # newest step it completed (None: none)
+    first_step: float | None  # when its first step completed
+    recovery_line: str | None  # train.py's own "recovery: ..." line (rank 0, from its process start)
+    saves: list[dict] = field(default_factory=list)
+    blocked_per_save: float | None = None  # from the end-of-run summary line (a run that finished)
+
+    @property
+    def recovery_s(self) -> float:
+        """Process start to first step done; a start killed before its first step spent all its time recovering."""
+        return (self.first_step if self.first_step is not None else self.end) - self.start
+
+
+@dataclass
+class Job:
+    origin: float  # unix time of the first start
+    wall: float
+    outcome: str  # finished | timed out | failed (rc N)
+    incarnations: list[Incarnation]
+    tail: str = ""  # the last output of a failed incarnation
+
+
+def _wait_or_kill(run: Run, deadline: float, csv_path: Path, launch: float, at_step: int | None) -> bool:
+    """Wait for ``run`` to exit; kill it at ``deadline`` or once its loss CSV shows step ``at_step``. True: killed."""
+    while True:
+        try:
+            run.proc.wait(timeout=max(0.0, deadline - time.time()) if at_step is None else 0.05)
+            return False
+        except subprocess.TimeoutExpired:
+            if time.time() >= deadline or (
+                    at_step is not None and any(s >= at_step for s, w in loss_rows(csv_path) if w >= launch)):
+                run.kill_all()
+                return True
+
+
+def run_job(cmd: list[str], csv_path: Path, kill_at: Iterable[float], limit_s: float,
+            kill_steps: Iterable[int] = ()) -> Job:
+    """Run ``cmd`` to the end; at each time of ``kill_at`` (seconds from the first start), or else each time an
+    incarnation completes a step of ``kill_steps``, SIGKILL all of it and restart it at once."""
+    origin = time.time()
+    kills, steps = iter(kill_at), iter(kill_steps)
+    next_kill, next_step = next(kills, math.inf), next(steps, None)
+    incarnations: list[Incarnation] = []
+    while True:
+        launch = time.time()
+        run = Run(cmd)
+        try:
+            killed = _wait_or_kill(run, origin + min(next_kill, limit_s), csv_path, launch, next_step)
+            end = time.time()
+            rc = run.wait()  # returns once the launcher and every rank are gone
+        except BaseException:
+            run.kill_all()
+            run.wait()
+            raise
+        killed = killed and rc != 0  # it may have finished just as the kill came
+        out = run.output
+        m = RESUMED.search(out)
+        rows = [(s, w) for s, w in loss_rows(csv_path) if w >= launch]
+        rec = RECOVERY.search(out)
+        inc = Incarnation(
+            start=launch - origin, end=end - origin, killed=killed, rc=rc,
+            resumed_from=int(m.group(1)) if m else (0 if FRESH in out else None),
+            reached=max(s for s, _ in rows) if rows else None,
+            first_step=min(w for _, w in rows) - origin if rows else None,
+            recovery_line=rec.group(0) if rec else None,
+            saves=[{"step": int(s), "mib": float(mib), "blocked_s": float(b), "durable_s": float(d)}
+                   for s, mib, b, d in SAVED.findall(out)])
+        total = SUMMARY.search(out)
+        if total and int(total.group(1)):
+            inc.blocked_per_save = float(total.group(2)) / int(total.group(1))
+        incarnations.append(inc)
+        log(f"  start {inc.start:.1f} s: {'killed' if killed else f'exit {rc}'} at {inc.end:.1f} s, resumed from "
+            f"{inc.resumed_from}, reached step {inc.reached}")
+        if killed and end - origin >= limit_s:
+            return Job(origin, end - origin, "timed out", incarnations, out[-6000:])
+        if killed:
+            if next_step is not None and inc.reached is not None and inc.reached >= next_step:
+                next_step = next(steps, None)
+            else:
+                next_kill = next(kills, math.inf)
+            continue
+        return Job(origin, end - origin, "finished" if rc == 0 else f"failed (rc {rc})", incarnations,
+                   "" if rc == 0 else out[-6000:])
+
+
+def kill_schedule(seed: int, mtbf: float) -> Iterator[float]:
+    """Kill times: exponential gaps of mean ``mtbf`` from a seeded RNG (a Poisson process), without end."""
+    rng, t = random.Random(seed), 0.0
+    while True:
+        t += rng.expovariate(1.0 / mtbf)
+        yield t
+
+
+# --- calibration ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Calibration:
+    """A failure-free run saving every ``every`` steps (``every`` 0: only at the end)."""
+
+    steps: int
+    every: int
+    skip: int  # step time is measured over the rows after this step (see calibrate)
+    step_s: float  # mean wall time per step over those rows, saves included
+    blocked_s: float  # blocking time per save, from the run's summary line (else the median of the save lines)
+    persist_s: float  # median time from the end of the blocking part to durable, as logged
+    startup_s: float  # launch to the first step, less one step
+    finish_s: float  # last step to exit: final save, replica check, shutdown
+    saves: int
+    save_cost_s: float  # extra wall time per save: (step_s - t0) over the saves among those rows, >= blocked_s
+
+
+def calibrate(cmd: list[str], csv_path: Path, steps: int, every: int, skip: int, t0: float | None,
+              limit_s: float) -> tuple[Calibration | None, Job]:
+    """Run ``cmd`` without kills. The step time leaves out the steps up to ``skip`` (= the first save and the step that
+    absorbs it): one-off costs of the first save, such as allocating host buffers or starting a process, recur once
+    per start, not per save."""
+    job = run_job(cmd, csv_path, [], limit_s)
+    rows = dict(loss_rows(csv_path))
+    if job.outcome != "finished" or not {1, skip, steps} <= rows.keys():
+        return None, job
+    step_s = (rows[steps] - rows[skip]) / (steps - skip)
+    saves = job.incarnations[0].saves
+    blocked = job.incarnations[0].blocked_per_save
+    if blocked is None:
+        blocked = statistics.median(s["blocked_s"] for s in saves) if saves else 0.0
+    between = sum(skip <= s["step"] < steps for s in saves)  # a save after row s delays step s + 1
+    cost = max((step_s - t0) * (steps - skip) / between, blocked) if t0 is not None and between else 0.0
+    return Calibration(
+        steps=steps, every=every, skip=skip, step_s=step_s, blocked_s=blocked,
+        persist_s=statistics.median(max(0.0, s["durable_s"] - s["blocked_s"]) for s in saves) if saves else 0.0,
+        startup_s=rows[1] - job.origin - step_s, finish_s=job.origin + job.wall - rows[steps], saves=len(saves),
+        save_cost_s=cost), job
+
+
+def young_daly(delta: float, persist: float, mtbf: float, t0: float) -> tuple[float, float, int]:
+    """(tau_YD, tau, k): tau_YD = sqrt(2 delta MTBF), tau = max(tau_YD, persist), k = round(tau / t0) >= 1."""
+    tau_yd = math.sqrt(2.0 * delta * mtbf)
+    tau = max(tau_yd, persist)
+    return tau_yd, tau, max(1, round(tau / t0))
+
+
+# --- accounting and model --------------------------------------------------------------------------------------------
+
+
+def model_goodput(overhead: float, per_kill_s: float, mtbf: float, startup_frac: float = 0.0) -> float:
+    return max(0.0, 1.0 - per_kill_s / mtbf) / (1.0 + overhead + startup_frac)
+
+
+def account(job: Job, steps: int, t0: float, cal: Calibration, every: int, mtbf: float, fallback_recovery: float) -> dict:
+    """Goodput and its breakdown for one kill run, and the model's view of it."""
+    ovh_step = cal.save_cost_s / every  # extra wall seconds per step from saving every `every` steps
+    t_step = t0 + ovh_step
+    incs = job.incarnations
+    lost_steps = []
+    for i, inc in enumerate(incs):
+        if inc.killed:  # redone = what it reached beyond the step the next start resumed from
+            resumed = next((j.resumed_from for j in incs[i + 1:] if j.resumed_from is not None), steps)
+            lost_steps.append(max(0, (inc.reached or 0) - resumed))
+    kills = len(lost_steps)
+    recovery = sum(inc.recovery_s for inc in incs[1:])
+    full_recoveries = [inc.recovery_s for inc in incs[1:] if inc.first_step is not None]
+    ckpt = steps * ovh_step
+    lost = sum(lost_steps) * t_step
+    useful = steps * t0
+    startup_frac = (cal.startup_s + cal.finish_s) / useful
+    overhead = ovh_step / t0
+    restart = statistics.mean(full_recoveries) if full_recoveries else fallback_recovery
+    lost_expected = every * t_step / 2 + cal.persist_s
+    per_kill = (recovery + lost) / kills if kills else restart + lost_expected  # none measured: the expectation
+    return {
+        "goodput": useful / job.wall, "wall_s": job.wall, "kills": kills, "useful_s": useful,
+        "checkpoint_overhead_s": ckpt, "lost_s": lost, "lost_steps": lost_steps, "recovery_s": recovery,
+        "other_s": job.wall - useful - ckpt - lost - recovery, "overhead_fraction": overhead,
+        "startup_fraction": startup_frac, "per_kill_s": per_kill,
+        "recovery_per_restart_s": restart,  # R for projections: a complete restart
+        "lost_per_kill_s": lost / kills if kills else None,
+        "lost_per_kill_expected_s": lost_expected,
+        "model_nominal": model_goodput(overhead, per_kill, mtbf, startup_frac),
+        "model_realised": model_goodput(overhead, per_kill, job.wall / kills, startup_frac) if kills else
+        1.0 / (1.0 + overhead + startup_frac),
+    }
+
+
+def project(t0: float, cal: Calibration, every: int, recovery: float, mtbf: float, delta: float) -> dict:
+    """Long-job goodput at ``mtbf``: with the interval of the measured run, and with Young/Daly's for ``mtbf``."""
+    def at(k: int) -> float:
+        t_step = t0 + cal.save_cost_s / k
+        return model_goodput(cal.save_cost_s / k / t0, recovery + k * t_step / 2 + cal.persist_s, mtbf)
+
+    _, tau, k_yd = young_daly(delta, cal.persist_s, mtbf, t0)
+    return {"mtbf_s": mtbf, "goodput_run_interval": at(every), "k_yd": k_yd, "tau_s": tau,
+            "goodput_yd": at(k_yd), "goodput": at(k_yd)}  # `goodput`: at the interval one would choose there
+
+
+# --- report ----------------------------------------------------------------------------------------------------------
+
+
+def f(x, digits: int = 2) -> str:
+    return "–" if x is None or (isinstance(x, float) and x != x) else f"{x:.{digits}f}"
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"cores": os.cpu_count(), "cpu": cpu, "torch": str(torch.__version__), "python": platform.python_version(),
+            "commit": commit, "load_start": os.getloadavg()[0]}
+
+
+def render(res: dict) -> str:
+    m, a = res["machine"], res["args"]
+    t0 = res["t0_s"]
+    lines = [
+        "# Goodput under failures", "",
+        f"`{res['command']}` — {res['date']}, commit {m['commit']}, {m['cores']} cores ({m['cpu']}), torch "
+        f"{m['torch']}, Python {m['python']}; load average {m['load_start']:.1f} at the start, {m['load_end']:.1f} at "
+        f"the end; {res['duration_s'] / 60:.1f} min.", "",
+        f"`train.py {' '.join(TRAIN_ARGS)}` on {RANKS} gloo ranks (`torchrun --standalone`), {a['steps']} steps, "
+        "`--resume-from-checkpoint latest`. Kills: SIGKILL of the launcher and every rank "
+        + (f"as a run completes step {a['kill_steps']} (--kill-steps)" if a.get("kill_steps") else "at ")
+        + ("" if a.get("kill_steps") else "the times given by --kill-times" if a["kill_times"] else
+           f"exponential inter-arrival times of mean MTBF {a['mtbf']:g} s, seed {a['seed']}")
+        + ("" if a.get("kill_steps") else ", in wall seconds from each configuration's start, the same for every "
+           "configuration: " + (", ".join(f"{t:.1f}" for t in res["kill_times"][:12]) + (" …" if len(res["kill_times"]) > 12 else "")
+           + " s" if res["kill_times"] else "none within the runs")) + ". Each kill is followed by an immediate restart.",
+        "",
+        f"**Goodput = t0 × steps / wall**, t0 = {t0:.3f} s (failure-free step time, no checkpoint until the end).", "",
+        "| configuration | interval (steps) | goodput | wall s | kills | checkpoint overhead s | lost work s (steps) "
+        "| recovery s | other s | model: nominal / realised rate |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, c in res["configs"].items():
+        r = c.get("run")
+        if not r:
+            lines.append(f"| {name} | – | – | – | – | – | – | – | – | – | {c['status']}")
+            continue
+        lines.append(f"| {name} | {c['every']} | **{f(r['goodput'], 3)}** | {f(r['wall_s'], 1)} | {r['kills']} | "
+                     f"{f(r['checkpoint_overhead_s'], 1)} | {f(r['lost_s'], 1)} ({sum(r['lost_steps'])}) | "
+                     f"{f(r['recovery_s'], 1)} | {f(r['other_s'], 1)} | {f(r['model_nominal'], 3)} / "
+                     f"{f(r['model_realised'], 3)} |")
+    for fam, best in res["best"].items():
+        lines += ["", f"{fam}: best variant **{best['name']}** (goodput {f(best['goodput'], 3)}; variants run: "
+                      f"{', '.join(best['ran']) or 'none'})."]
+    lines += ["", "Checkpoint overhead = steps × (extra wall time per save ÷ interval), from the calibration. Lost work = "
+              "steps redone after each kill (reached before the kill − resumed from) × failure-free step time with "
+              "saves. Recovery = each restart's launch to its first step done (from the loss CSV), summed; a restart "
+              "killed before its first step counts whole. Other = wall − t0 × steps − the three: the first start-up, "
+              "the final save, the step in progress at each kill, noise. Model: see below (nominal = at the "
+              "schedule's MTBF; realised = at wall / kills).", "",
+              "## Checkpoint interval (Young/Daly)", "",
+              "tau_YD = sqrt(2 × delta × MTBF), delta = "
+              + ("blocking time per save (train.py's summary: `training blocked` ÷ saves, which includes waiting for "
+                 "an async copy at the next step)" if a["delta_from"] == "blocked" else
+                 "save cost (extra wall time per save, calibration; --delta-from cost)")
+              + "; tau = "
+              f"max(tau_YD, P) with P = median background persist time (logged `durable after` − `blocked`), so an "
+              f"async save is durable before the next starts; interval = max(1, round(tau / t0)) steps. "
+              f"MTBF = {a['mtbf']:g} s.", "",
+              "| configuration | delta s | P s | tau_YD s | tau s | interval (steps) |", "|---|---:|---:|---:|---:|---:|"]
+    for name, c in res["configs"].items():
+        if "tau_s" in c:
+            cal = c["calibration"]
+            lines.append(f"| {name} | {f(c['delta_s'], 3)} | {f(cal['persist_s'], 3)} | {f(c['tau_yd_s'], 1)} | "
+                         f"{f(c['tau_s'], 1)} | {c['every']} |")
+    cal_any = next((c["calibration"] for c in res["configs"].values() if c.get("calibration")), None)
+    lines += ["", f"## Calibration (failure-free, {a['calib_steps']} steps, a save every {a['calib_every']} steps)", "",
+              f"Step time = mean over the rows after step {a['calib_every'] + 1} (t0 too): the first save and the "
+              "step absorbing it are left out, since one-off costs of a start's first save (allocating host buffers, "
+              "starting a process) recur per start, not per save. Save cost = extra wall time per save = (step time − "
+              "t0) × rows / saves among those rows, at least the logged blocking time (on shared cores the difference "
+              "alone can come out below it).", "",
+              "| configuration | step s | save cost s | blocked s per save | persist s (median) | start-up s | "
+              "finish s | saves |", "|---|---:|---:|---:|---:|---:|---:|---:|",
+              f"| no checkpoint (t0) | {f(t0, 3)} | – | – | – | {f(res['base']['startup_s'], 1)} | "
+              f"{f(res['base']['finish_s'], 1)} | {res['base']['saves']} |"]
+    for name, c in res["configs"].items():
+        cal = c.get("calibration")
+        if cal:
+            lines.append(f"| {name} | {f(cal['step_s'], 3)} | {f(cal['save_cost_s'], 3)} | {f(cal['blocked_s'], 3)} | "
+                         f"{f(cal['persist_s'], 3)} | {f(cal['startup_s'], 1)} | {f(cal['finish_s'], 1)} | "
+                         f"{cal['saves']} |")
+        elif c["status"] != "ok":
+            lines.append(f"| {name} | {c['status']} | | | | | | |")
+    lines += ["", "## Model vs measured", "",
+              "Per kill the job loses the recovery R and the work since the newest durable checkpoint L; failures "
+              "come at rate 1/MTBF over the whole wall time T, so T = T_ff + (T / MTBF)(R + L) with T_ff = S + "
+              "N t0 (1 + o), o = save cost / (interval × t0), S = start-up + finish (calibration). Hence", "",
+              "    goodput = (1 − (R + L) / MTBF) / (1 + o + S / (N t0))", "",
+              "(exact in expectation for Poisson kills at a given cost per kill; not modelled: a kill inside a "
+              "recovery cuts it short, so the cost per kill falls as MTBF nears it). Below, R + L = the "
+              "measured (recovery + lost work) / kills (no kill: a fresh start's R + the expected L); nominal = at the "
+              "schedule's MTBF, realised = at wall / kills (this run's actual failure rate).", "",
+              "| configuration | measured | model (nominal MTBF) | model (realised rate) | o | S/(N t0) | "
+              "R + L per kill s | L per kill s: measured / expected (interval × t / 2 + P) |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, c in res["configs"].items():
+        r = c.get("run")
+        if r:
+            lines.append(f"| {name} | {f(r['goodput'], 3)} | {f(r['model_nominal'], 3)} | {f(r['model_realised'], 3)} "
+                         f"| {f(r['overhead_fraction'], 3)} | {f(r['startup_fraction'], 3)} | {f(r['per_kill_s'], 1)} | "
+                         f"{f(r['lost_per_kill_s'], 1)} / {f(r['lost_per_kill_expected_s'], 1)} |")
+    lines += ["", "## Projection (long job: S / (N t0) → 0)", "",
+              "From the measured t0, save cost, delta, P and R (mean complete restart), with L = interval × t / 2 + P: "
+              "at the measured run's interval, and at Young/Daly's interval for that MTBF.", "",
+              "| configuration | R s | " + " | ".join(f"MTBF {k}: run interval / Young-Daly (steps)" for k in PROJECT_MTBF)
+              + " |", "|---|---:|" + "---:|" * len(PROJECT_MTBF)]
+    for name, c in res["configs"].items():
+        if c.get("projections"):
+            cells = [f"{f(p['goodput_run_interval'], 4)} / {f(p['goodput_yd'], 4)} ({p['k_yd']})"
+                     for p in c["projections"].values()]
+            lines.append(f"| {name} | {f(c['run']['recovery_per_restart_s'], 1)} | " + " | ".join(cells) + " |")
+    lines += ["", "## Incarnations", "",
+              "Times in s from the configuration's start. Recovery (harness) = launch → first step done; train.py's "
+              "`recovery:` line counts from rank 0's process start (without torchrun's own start-up).", "",
+              "| configuration | # | start | end | killed | resumed from | reached | recovery (harness) | "
+              "recovery (train.py) | saves: step blocked/durable s |", "|---|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+    for name, c in res["configs"].items():
+        for i, inc in enumerate(c.get("incarnations", [])):
+            rec = RECOVERY.match(inc["recovery_line"] or "")
+            saves = ", ".join(f"{s['step']}: {s['blocked_s']:.2f}/{s['durable_s']:.2f}" for s in inc["saves"])
+            resumed, reached = ("–" if v is None else v for v in (inc["resumed_from"], inc["reached"]))
+            lines.append(f"| {name} | {i} | {f(inc['start'], 1)} | {f(inc['end'], 1)} | "
+                         f"{'yes' if inc['killed'] else 'no'} | {resumed} | {reached} | "
+                         f"{f(inc['recovery_s'], 1) if i else '–'} | {rec.group(1) if rec else '–'} | {saves} |")
+    lines += ["", "![goodput vs MTBF](goodput.png)", ""]
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    t0 = res["t0_s"]
+    mtbfs = np.logspace(1, 5.2, 200)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, (name, c) in enumerate(res["configs"].items()):
+        if not c.get("run"):
+            continue
+        color = f"C{i}"
+        cal = Calibration(**c["calibration"])
+        rec = c["run"]["recovery_per_restart_s"]
+        proj = [project(t0, cal, c["every"], rec, m, c["delta_s"]) for m in mtbfs]
+        ax.plot(mtbfs, [p["goodput_yd"] for p in proj], color=color, label=f"{name}: model, Young/Daly interval")
+        ax.plot(mtbfs, [p["goodput_run_interval"] for p in proj], color=color, ls="--", lw=1,
+                label=f"{name}: model, interval {c['every']}")
+        ax.plot([res["args"]["mtbf"]], [c["run"]["goodput"]], "o", color=color, label=f"{name}: measured")
+    for label, m in PROJECT_MTBF.items():
+        ax.axvline(m, color="grey", lw=0.5)
+        ax.text(m, 1.0, label, rotation=90, color="grey", va="top", ha="right")
+    ax.set_xscale("log")
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("MTBF (s)")
+    ax.set_ylabel("goodput = t0 × steps / wall")
+    ax.set_title(f"Goodput vs MTBF (curves: long job; points: measured, {res['args']['steps']} steps)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --- main ------------------------------------------------------------------------------------------------------------
+
+
+def parse_configs(text: str) -> dict[str, list[str]]:
+    """`name,name,...` from CONFIGS, or `name=FLAGS` for a configuration of one's own (FLAGS shell-quoted)."""
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(";" if "=" in text else ","))):
+        name, eq, flags = item.partition("=")
+        if not eq and name not in CONFIGS:
+            raise argparse.ArgumentTypeError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)} or "
+                                             "give name=FLAGS")
+        out[name.strip()] = shlex.split(flags if eq else CONFIGS[name])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.goodput", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mtbf", type=float, default=None, help="mean time between failures, s (default 40; --quick 10)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the kill schedule (default 0)")
+    p.add_argument("--steps", type=int, default=None, help="training steps of each kill run (default 300; --quick 20)")
+    p.add_argument("--calib-steps", type=int, default=None, help="steps of each failure-free run (default 100; --quick 8)")
+    p.add_argument("--calib-every", type=int, default=None, help="save interval of the calibration (default 10; --quick 3)")
+    p.add_argument("--configs", type=parse_configs, default=",".join(CONFIGS),
+                   help=f"comma-separated from {', '.join(CONFIGS)} (default: all); or name=FLAGS;name=FLAGS for "
+                        "configurations of your own")
+    p.add_argument("--kill-times", default=None,
+                   help="comma-separated kill times (s) instead of the seeded schedule, e.g. for a smoke test")
+    p.add_argument("--kill-steps", default=None,
+                   help="comma-separated steps: kill each run once as it completes each of them (independent of the "
+                        "machine's speed; for a smoke test)")
+    p.add_argument("--dataset", default=str(ROOT / "data" / "train_data.parquet"))
+    p.add_argument("--out", default=str(ROOT / "results"),
+                   help="folder for goodput.md, goodput.json, goodput.png (default results/)")
+    p.add_argument("--keep", action="store_true",
+                   help=f"write the runs to {KEEP_DIR.relative_to(ROOT)}/ and keep them for inspection (default: a "
+                        "temporary folder, removed at the end)")
+    p.add_argument("--delta-from", choices=["blocked", "cost"], default="blocked",
+                   help="Young/Daly's delta: the logged blocking time per save (default), or the measured extra wall "
+                        "time per save (cost: also counts a background save's competition for the cores)")
+    p.add_argument("--quick", action="store_true", help="a short smoke run: few steps, MTBF 10 s")
+    args = p.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the job running now is killed and the work folder removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    q = args.quick
+    args.mtbf = args.mtbf or (10.0 if q else 40.0)
+    args.steps = args.steps or (20 if q else 300)
+    args.calib_steps = args.calib_steps or (8 if q else 100)
+    args.calib_every = args.calib_every or (3 if q else 10)
+    if args.calib_steps < 2 * args.calib_every + 2:
+        p.error("--calib-steps must be at least 2 x --calib-every + 2: the step time leaves out the first save")
+    if not Path(args.dataset).exists():
+        print(f"error: dataset {args.dataset} does not exist; run `make data` or pass --dataset", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(KEEP_DIR, ignore_errors=True)  # a previous --keep run's folders
+    if args.keep:
+        workdir = KEEP_DIR
+        workdir.mkdir(parents=True)
+    else:
+        workdir = Path(tempfile.mkdtemp(prefix="pyrecover-goodput-"))
+    t_begin = time.time()
+    res = {"command": shlex.join(["python", "-m", "benchmarks.goodput", *(sys.argv[1:] if argv is None else argv)]),
+           "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
+           "args": {k: v for k, v in vars(args).items() if k != "configs"}, "configs": {}, "best": {},
+           "kill_times": []}
+    try:
+        run_all(args, workdir, res)
+    finally:
+        if args.keep:
+            log(f"checkpoint folders kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    res["machine"]["load_end"] = os.getloadavg()[0]
+    res["duration_s"] = time.time() - t_begin
+    # configurations as a list of named records, the shape other tools (benchmarks/targets.py) read
+    as_list = res | {"configs": [{"name": n, **c} for n, c in res["configs"].items()]}
+    (out / "goodput.json").write_text(json.dumps(as_list, indent=1) + "\n")
+    (out / "goodput.md").write_text(render(res))
+    plot(res, out / "goodput.png")
+    log("\n" + render(res).split("\n## Checkpoint interval")[0])
+    log(f"\nwrote {out / 'goodput.md'}, {out / 'goodput.json'}, {out / 'goodput.png'}")
+    # a variant this train.py lacks is reported, not a failure
+    return 0 if all(c["status"] == "ok" or c["status"].startswith("not supported") for c in res["configs"].values()) else 1
+
+
+def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:
+    def job_dir(name: str) -> Path:
+        return workdir / name
+
+    def csv_of(name: str) -> Path:
+        return job_dir(name) / "run" / "loss.csv"
+
+    log(f"base: failure-free, no checkpoint until the end, {args.calib_steps} steps")
+    skip = args.calib_every + 1
+    base, job = calibrate(train_cmd(job_dir("base"), args.calib_steps, 0, [], args.dataset), csv_of("base"),
+                          args.calib_steps, 0, skip, None, limit_s=1800)
+    if base is None:
+        raise SystemExit(f"the base run {job.outcome}:\n{job.tail}")
+    t0 = base.step_s
+    res["t0_s"], res["base"] = t0, asdict(base)
+    log(f"  t0 = {t0:.3f} s/step, start-up {base.startup_s:.1f} s, finish {base.finish_s:.1f} s")
+    explicit = [float(t) for t in args.kill_times.split(",") if t.strip()] if args.kill_times else None
+
+    kill_steps = [int(s) for s in args.kill_steps.split(",") if s.strip()] if args.kill_steps else []
+
+    def kill_times() -> Iterable[float]:  # the same times for every configuration
+        return iter(explicit) if explicit is not None else kill_schedule(args.seed, args.mtbf)
+
+    for name, flags in args.configs.items():
+        c = res["configs"][name] = {"flags": flags, "status": "ok"}
+        log(f"{name}: calibration, a save every {args.calib_every} steps, {args.calib_steps} steps")
+        cal, job = calibrate(train_cmd(job_dir(f"{name}-calibration"), args.calib_steps, args.calib_every, flags,
+                                       args.dataset), csv_of(f"{name}-calibration"), args.calib_steps,
+                             args.calib_every, skip, t0, limit_s=1800)
+        if cal is None:
+            usage = re.search(r"^.*error: (unrecognized arguments|argument).*$", job.tail, re.M)
+            c["status"] = f"not supported by this train.py: {usage.group(0)}" if usage else f"calibration {job.outcome}"
+            c["tail"] = job.tail
+            log(f"  skipped: {c['status']}\n{'' if usage else job.tail}")
+            continue
+        delta = cal.blocked_s if args.delta_from == "blocked" else cal.save_cost_s
+        tau_yd, tau, every = young_daly(delta, cal.persist_s, args.mtbf, t0)
+        c.update(calibration=asdict(cal), delta_s=delta, tau_yd_s=tau_yd, tau_s=tau, every=every)
+        log(f"  step {cal.step_s:.3f} s, save cost {cal.save_cost_s:.3f} s, blocked {cal.blocked_s:.3f} s, persist "
+            f"{cal.persist_s:.3f} s -> tau = max(sqrt(2 x {delta:.3f} x {args.mtbf:g}), {cal.persist_s:.2f}) = "
+            f"{tau:.1f} s = every {every} steps")
+        ff_wall = cal.startup_s + cal.finish_s + args.steps * (t0 + cal.save_cost_s / every)
+        log(f"{name}: kill run, {args.steps} steps, a save every {every} steps (failure-free ~{ff_wall:.0f} s)")
+        job = run_job(train_cmd(job_dir(name), args.steps, every, flags, args.dataset), csv_of(name),
+                      () if kill_steps else kill_times(), limit_s=20 * ff_wall + 600, kill_steps=kill_steps)
+        c["incarnations"] = [asdict(i) | {"recovery_s": i.recovery_s} for i in job.incarnations]
+        if job.outcome != "finished":
+            c["status"], c["tail"] = f"kill run {job.outcome}", job.tail
+            log(f"  {c['status']}\n{job.tail}")
+            continue
+        # with no restart measured, R is a fresh start's (it loads no checkpoint)
+        r = c["run"] = account(job, args.steps, t0, cal, every, args.mtbf,
+                               fallback_recovery=cal.startup_s + cal.step_s)
+        c["projections"] = {k: project(t0, cal, every, r["recovery_per_restart_s"], m, delta)
+                           for k, m in PROJECT_MTBF.items()}
+        log(f"  goodput {r['goodput']:.3f} (model {r['model_nominal']:.3f}), wall {r['wall_s']:.1f} s, {r['kills']} "
+            f"kills, lost {sum(r['lost_steps'])} steps, recovery {r['recovery_s']:.1f} s")
+        if not args.keep:
+            shutil.rmtree(job_dir(name), ignore_errors=True)
+            shutil.rmtree(job_dir(f"{name}-calibration"), ignore_errors=True)
+    for fam, members in FAMILIES.items():
+        ran = [m for m in members if res["configs"].get(m, {}).get("run")]
+        if ran:
+            best = max(ran, key=lambda m: res["configs"][m]["run"]["goodput"])
+            res["best"][fam] = {"name": best, "goodput": res["configs"][best]["run"]["goodput"], "ran": ran}
+    longest = max((c["run"]["wall_s"] for c in res["configs"].values() if c.get("run")), default=0.0)
+    res["kill_times"] = [] if kill_steps else list(itertools.takewhile(lambda t: t < longest, kill_times()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""Smoke test of the goodput benchmark harness (benchmarks/goodput.py, `make goodput`): it runs end to end and writes
+its report. It measures nothing: one configuration, a few steps, one kill (at a step, so the machine's speed
+cannot let the run finish before it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from helpers import PY, ROOT, env_for_tests
+
+
+@pytest.mark.benchmark_smoke
+def test_goodput_harness_smoke(corpus, tmp_path):
+    proc = subprocess.run([PY, "-m", "benchmarks.goodput", "--quick", "--configs", "vanilla", "--kill-steps", "6",
+                           "--dataset", corpus, "--out", str(tmp_path)],
+                          cwd=ROOT, env=env_for_tests(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for name in ("goodput.md", "goodput.json", "goodput.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    row = next(line for line in (tmp_path / "goodput.md").read_text().splitlines() if line.startswith("| vanilla |"))
+    goodput = float(row.split("|")[3].strip(" *"))
+    assert 0 < goodput <= 1, row
+    configs = json.loads((tmp_path / "goodput.json").read_text())["configs"]
+    assert next(c for c in configs if c["name"] == "vanilla")["run"]["kills"] == 1
