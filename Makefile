@@ -62,8 +62,8 @@ bench: $(DATA)
 	$(PY) -m benchmarks.targets $(ARGS)
 
 bench-detail: $(DATA)
-	$(PY) -m checkpoint.bench
-	$(PY) -m checkpoint.bench_dcp
+	$(PY) -m benchmarks.backends
+	$(PY) -m benchmarks.dcp_s3
 
 goodput: $(DATA)
 	$(PY) -m benchmarks.goodput $(ARGS)

@@ -10,11 +10,12 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import subprocess
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from checkpoint import slurm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -41,32 +42,16 @@ class DistEnv:
         return self.backend is not None
 
 
-def first_slurm_host(nodelist: str) -> str:
-    """First hostname of a SLURM node list, e.g. 'nid[001-004,007]' -> 'nid001'. Uses scontrol when available."""
-    try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.split()[0]
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    m = re.match(r"^([^\[,]+)(?:\[([^\]]+)\])?", nodelist)
-    if not m:
-        return nodelist
-    prefix, ranges = m.group(1), m.group(2)
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
-
-
 def _launcher_env() -> tuple[int, int, int, str] | None:
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun"
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:
-        env.setdefault("MASTER_ADDR", first_slurm_host(env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))))
-        # A port derived from the job id keeps two jobs sharing a node from colliding.
-        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), "srun"
+    task = slurm.task(env)
+    if task is not None:
+        rank, world_size, local_rank, master_addr, master_port = task
+        env.setdefault("MASTER_ADDR", master_addr)
+        env.setdefault("MASTER_PORT", str(master_port))
+        return rank, world_size, local_rank, "srun"
     return None
 
 
@@ -212,6 +197,30 @@ class PeakMemory:
         if self.device.type == "cuda":
             return "torch.cuda.max_memory_allocated growth"
         return "peak anonymous RSS growth" + ("" if self.exact else " (upper bound: VmHWM could not be reset)")
+
+
+def parallelize(model: torch.nn.Module, env: DistEnv, parallel: str) -> torch.nn.Module:
+    """Data parallelism as a transform of the model: DDP (full replicas), or FSDP2 with every transformer block one
+    all-gather / reduce-scatter unit, then the root (embeddings, norm, output). One process: the model unchanged."""
+    if not env.distributed:
+        return model
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda"
+                                                     else None)
+
+
+def mean_over_ranks(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """The mean of a scalar tensor over all ranks (in place; identical on every rank)."""
+    if env.distributed:
+        dist.all_reduce(value)
+        value /= env.world_size
+    return value
 
 
 def all_reduce_max(value: float, env: DistEnv) -> float:

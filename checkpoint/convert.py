@@ -11,11 +11,10 @@ converted checkpoint continues exactly like one resumed from the source. The res
 
 from __future__ import annotations
 
-import torch
-
 from . import layout, storage
+from .backends import BACKENDS, backend_class
 from .errors import CheckpointError
-from .reader import SECTION_READERS, locate
+from .reader import locate, section_reader
 
 FORMATS = ("vanilla", "dcp")
 _TENSOR_SECTIONS = ("model", "optimizer")
@@ -36,7 +35,7 @@ def convert(src, dst, to: str, log=print):
     if manifest is None:
         raise CheckpointError(f"{where} is a single file; convert needs a committed checkpoint folder")
     frm = manifest["backend"]
-    if frm not in SECTION_READERS:
+    if frm not in BACKENDS:
         raise CheckpointError(f"{where}: no reader for backend {frm!r}")
     if frm == to or (to == "vanilla" and frm == "concurrent"):
         raise CheckpointError(f"{where} is already in {to} format (backend {frm}); nothing to convert")
@@ -51,7 +50,7 @@ def convert(src, dst, to: str, log=print):
         storage.rmtree(step_dir)  # the leftover of an interrupted convert: never committed
     step_dir.mkdir(parents=True)
 
-    sections = {s: SECTION_READERS[frm](where, manifest, s) for s in _TENSOR_SECTIONS}
+    sections = {s: section_reader(frm)(where, manifest, s) for s in _TENSOR_SECTIONS}
     files: dict[str, dict] = {}
     for name, rec in manifest["files"].items():  # the non-tensor files are the same in every format
         if _is_tensor_payload(name, frm):
@@ -59,18 +58,7 @@ def convert(src, dst, to: str, log=print):
         algorithm = manifest["checksum"]
         data = storage.read_checked(storage.as_path(where) / name, rec["size"], algorithm, rec[algorithm])
         files[name] = storage.write_bytes(step_dir / name, data)
-    if to == "vanilla":
-        for s, sd in sections.items():
-            files[f"{s}.pt"] = storage.write_with(step_dir / f"{s}.pt", lambda w, sd=sd: torch.save(sd, w))
-    else:
-        from torch.distributed.checkpoint import save as dcp_save
-
-        from .backends.dcp import _writer
-
-        writer = _writer(step_dir)
-        dcp_save(sections, storage_writer=writer, no_dist=True)
-        storage.sync_dir(step_dir)
-        files.update(writer.fs.records)
+    files.update(backend_class(to).write_sections(step_dir, sections))  # vanilla: model.pt/optimizer.pt; dcp: one rank
     layout.commit(step_dir, step, int(manifest["world_size"]), to, [{"rank": 0, "files": files}],
                   meta={"converted_from": frm, "source": str(where)})
     log(f"converted {where} ({frm}, {manifest['world_size']} rank(s)) -> {step_dir} ({to}, {len(files)} files, "

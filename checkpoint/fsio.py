@@ -23,6 +23,7 @@ import numpy as np
 import xxhash
 
 from .errors import CheckpointError
+from .knobs import direct_io_disabled, fault_point
 
 #: The manifest's integrity checksum. xxh3 (PyPI ``xxhash``, the reference C implementation) runs at memcpy speed and
 #: releases the GIL, where zlib.crc32 costs ~4x a memcpy of CPU per byte. The manifest names the algorithm, so
@@ -153,8 +154,8 @@ def address(view: memoryview) -> int:
 
 def direct_io(folder: Path) -> bool:
     """True if files in ``folder`` can be written and read with O_DIRECT (probed once per filesystem; the knob
-    PYRECOVER_DIRECT_IO=off forces buffered I/O)."""
-    if not _O_DIRECT or os.environ.get("PYRECOVER_DIRECT_IO", "auto").lower() in ("off", "0", "false", "no"):
+    PYRECOVER_DIRECT_IO=off forces buffered I/O: knobs.py)."""
+    if not _O_DIRECT or direct_io_disabled():
         return False
     try:
         dev = os.stat(folder).st_dev
@@ -189,8 +190,7 @@ def io_mode(folder: Path) -> str:
     """One line for the log: how checkpoint bytes land in ``folder``."""
     if direct_io(folder):
         return f"checkpoint I/O: O_DIRECT writes in {folder} (from page-aligned buffers, no page-cache copy); verified reads through the page cache"
-    why = ("PYRECOVER_DIRECT_IO=off" if os.environ.get("PYRECOVER_DIRECT_IO", "auto").lower() in ("off", "0", "false", "no")
-           else "the filesystem refuses O_DIRECT")
+    why = "PYRECOVER_DIRECT_IO=off" if direct_io_disabled() else "the filesystem refuses O_DIRECT"
     return f"checkpoint I/O: buffered writes in {folder} ({why}); verified reads through the page cache"
 
 
@@ -428,29 +428,3 @@ def atomic_write_bytes(path: Path, data: bytes, *, fsync_parent: bool = True) ->
 def is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
-
-# --- test-only fault injection -------------------------------------------------------------------------------------
-# PYRECOVER_FAULT=<point>[:<n>] makes the process SIGKILL itself the n-th time (default 1st) it reaches <point>.
-# PYRECOVER_FAULT=<point>:<n>:error raises an OSError there instead. Used by the fault-injection suite to kill a run at
-# named moments inside the save path; never set in normal use. Read once so the hot path pays one dict lookup.
-_FAULT = os.environ.get("PYRECOVER_FAULT", "")
-_fault_hits: dict[str, int] = {}
-
-
-def fault_point(name: str, where: object = "") -> None:
-    if not _FAULT:
-        return
-    point, _, rest = _FAULT.partition(":")
-    if point != name:
-        return
-    nth_str, _, action = rest.partition(":")
-    nth = int(nth_str or 1)
-    _fault_hits[name] = _fault_hits.get(name, 0) + 1
-    if _fault_hits[name] != nth:
-        return
-    if action == "error":
-        raise OSError(errno.EIO, f"injected I/O error at {name}", str(where))
-    import signal
-
-    print(f"[fault] SIGKILL at {name} ({where})", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)

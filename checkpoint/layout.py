@@ -24,7 +24,8 @@ from typing import Callable
 
 from . import storage
 from .errors import CheckpointError
-from .fsio import CHECKSUM_ALGORITHM, HASHERS, atomic_write_bytes, checksum_bytes, fault_point, fsync_dir  # noqa: F401
+from .fsio import CHECKSUM_ALGORITHM, HASHERS, atomic_write_bytes, checksum_bytes, fsync_dir  # noqa: F401
+from .knobs import fault_point
 
 FORMAT_VERSION = 1
 BACKEND_NAMES = ("vanilla", "concurrent", "dcp")  # = checkpoint.backends.BACKENDS (a test keeps them equal)
@@ -374,10 +375,20 @@ def staging_dir(root: Path, run_id: str, step: int) -> Path:
     return Path(root) / f"{STAGING_PREFIX}{run_id}" / step_dir_name(step)
 
 
-def publish(staged: Path, root: Path, step: int, *, guard: Callable[[str], None] = _no_guard, tag: str = "") -> Path:
-    """Make the committed folder ``staged`` the checkpoint ``root/step-N`` (see above). Returns its final path."""
+def publish(staged: Path, root: Path, step: int, *, guard: Callable[[str], None] = _no_guard, tag: str = "",
+            replace_valid: bool = True) -> Path:
+    """Make the committed folder ``staged`` the checkpoint ``root/step-N`` (see above); the one way a step folder is
+    replaced. ``replace_valid`` False: a ``step-N`` that exists and verifies is kept and ``staged`` discarded (a
+    just-in-time save racing a periodic one of the same step). Returns the final path."""
     target = Path(root) / step_dir_name(step)
     trash = None
+    if target.exists() and not replace_valid:
+        try:
+            verify(target)
+            shutil.rmtree(staged, ignore_errors=True)
+            return target
+        except CheckpointError:
+            pass  # replaced below: the broken copy stays in place until the new one is committed
     if target.exists():
         guard(f"replace {target.name}")
         trash = target.with_name(f"{TRASH_PREFIX}{target.name}-{tag or uuid.uuid4().hex[:8]}")

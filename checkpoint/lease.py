@@ -24,7 +24,8 @@ Who may take over a run directory (checked in this order; anything else is refus
   * the holder's heartbeat (the file's mtime, touched every ``HEARTBEAT_S``) is older than ``TIMEOUT_S``: a holder on
     another host that died without SLURM (clocks must agree to within that margin, as munge already requires).
 
-Test knobs (environment): ``PYRECOVER_LEASE_HEARTBEAT_S`` (default 10), ``PYRECOVER_LEASE_TIMEOUT_S`` (default 120).
+Tests shorten both through ``PYRECOVER_LEASE_HEARTBEAT_S`` (default 10 s) and ``PYRECOVER_LEASE_TIMEOUT_S`` (default
+120 s), read once at import (knobs.py).
 """
 
 from __future__ import annotations
@@ -41,14 +42,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-from . import slurm
+from . import knobs, slurm
 from .errors import CheckpointError
 from .fsio import fsync_dir
 
 OWNER_DIR = ".owner"
 _GEN_RE = re.compile(r"^gen-(\d{8,})\.json$")
-HEARTBEAT_S = float(os.environ.get("PYRECOVER_LEASE_HEARTBEAT_S", "10"))
-TIMEOUT_S = float(os.environ.get("PYRECOVER_LEASE_TIMEOUT_S", "120"))
+HEARTBEAT_S = knobs.lease_heartbeat_s()
+TIMEOUT_S = knobs.lease_timeout_s()
 
 
 class Fenced(CheckpointError):

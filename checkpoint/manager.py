@@ -146,6 +146,29 @@ class CheckpointManager:
         self.in_flight.append(handle)
         return handle
 
+    def save_alone(self, step: int, pieces: dict[str, dict], *, meta: dict) -> Path:
+        """Save ``pieces`` (file name -> state dict) as ``step`` from this rank alone, without the process group: the
+        just-in-time save after a peer failed (jit.py). Written in the vanilla format for the run's world size,
+        committed and published like any other save; a valid ``step-N`` committed meanwhile is kept."""
+        from .backends.vanilla import save_pieces
+
+        staging = self._staging / f"jit-rank-{self.rank.rank:05d}" / layout.step_dir_name(step)
+        self._guard(f"save step {step} just in time")
+        if staging.exists():
+            storage.rmtree(staging)
+        staging.mkdir(parents=True)
+        files = save_pieces(staging, pieces, self.rank.rank)
+        layout.write_part_record(staging, self.rank.rank, files, run_id=self.run_id)
+        layout.commit(staging, step, self.rank.world_size, "vanilla", [{"files": files}], meta=meta)
+        return layout.publish(staging, self.root, step, guard=self._guard, tag=f"{self.run_id}-jit",
+                              replace_valid=False)
+
+    @property
+    def jit_folder(self) -> Path:
+        """Where the surviving ranks of this incarnation elect the one that saves just in time (inside its staging
+        folder: the next incarnation sweeps it with the rest)."""
+        return self._staging / "jit"
+
     @property
     def _staging(self) -> Path:
         """This incarnation's staging folder (holds one step-N folder per save in flight)."""
@@ -349,10 +372,14 @@ class CheckpointManager:
         )
 
     def close(self) -> None:
-        self.wait()
-        self.backend.close()
-        if self.rank.is_main and not storage.is_remote(self.root):
-            try:  # our staging folder, once empty (every save published)
-                self._staging.rmdir()
-            except OSError:
-                pass
+        """Wait for every save in flight (re-raising the first error), then release the backend's resources -- those
+        also after an error, which the caller may survive (--on-save-error continue)."""
+        try:
+            self.wait()
+        finally:
+            self.backend.close()
+            if self.rank.is_main and not storage.is_remote(self.root):
+                try:  # our staging folder, once empty (every save published)
+                    self._staging.rmdir()
+                except OSError:
+                    pass

@@ -28,8 +28,7 @@ After the loop, ``finish`` decides the exit: finished, stopped-and-requeued (ran
 checkpoint has committed; array-aware; bounded by ``--max-restarts`` vs ``SLURM_RESTART_COUNT``; never when training is
 complete), stopped-no-requeue, or stopped-but-requeue-failed (e.g. ``scontrol`` missing).
 
-Test-only knob: ``PYRECOVER_STEP_SLEEP=SECONDS`` sleeps that long at every step boundary, so SLURM tests can land a
-signal or a deadline mid-run with a tiny model. It changes timing only, never the numbers. Never set it in normal use.
+Tests pace the loop with ``PYRECOVER_STEP_SLEEP`` (a sleep at every step boundary; see knobs.py).
 """
 
 from __future__ import annotations
@@ -41,7 +40,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from . import slurm
+from . import knobs, slurm
+from .signals import SignalOwner
 from .walltime import DeadlineReader, WalltimePolicy
 
 # Votes, ordered by urgency: agreement is an all-reduce MAX.
@@ -105,13 +105,15 @@ def _interrupted_now(what: str) -> None:
 
 class SignalWatcher:
     """Records signals; the loop reads them at step boundaries. The handler does nothing else (no I/O, no locks), except
-    that SIGTERM before ``arm()`` (setup: nothing to save yet) exits at once with 143 like the default action.
+    that SIGTERM before ``arm()`` (setup: nothing to save yet) exits at once with 143 like the default action. It is
+    one listener of the process's signal owner (signals.py), which restores the previous handlers at the end.
 
     SIGINT (Ctrl-C; torchrun forwards it to every rank) is SIGTERM's "save and stop, no requeue" in the loop. Before
     ``arm()``, a second SIGINT, or one after the last save: exit at once with 130 and one line (``_interrupted_now``)."""
 
-    def __init__(self, stop_signal: int | None):
+    def __init__(self, stop_signal: int | None, owner: SignalOwner | None = None):
         self.stop_signal = stop_signal
+        self.owner = owner or SignalOwner()
         self.received: list[int] = []
         self.armed = False
         self._reported = 0
@@ -122,7 +124,7 @@ class SignalWatcher:
 
     def install(self) -> "SignalWatcher":
         for sig in sorted(self.signals):
-            signal.signal(sig, self._handle)
+            self.owner.listen(sig, self._handle)
         # train.py holds USR1/USR2 during its imports; one that arrived meanwhile is delivered now (to our handler if
         # it is the stop signal; the other one keeps its default action, as without the hold)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
@@ -131,7 +133,7 @@ class SignalWatcher:
     def arm(self) -> None:
         self.armed = True
 
-    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+    def _handle(self, signum: int) -> None:
         if signum == signal.SIGINT and not self.armed:
             _interrupted_now("before training started: nothing to save yet")
         if signum == signal.SIGINT and signal.SIGINT in self.received:
@@ -142,10 +144,14 @@ class SignalWatcher:
             raise SystemExit(128 + signal.SIGTERM)
 
     def release_term(self) -> None:
-        """After the last save: SIGTERM kills again and SIGINT exits at once (a process stuck in teardown must not
-        outlive it)."""
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, lambda *_: _interrupted_now("after the last save: exiting now"))
+        """After the last save: the handlers found at install come back (SIGTERM's default kills again), and SIGINT
+        exits at once (a process stuck in teardown must not outlive it)."""
+        self.owner.restore()
+        self.owner.listen(signal.SIGINT, lambda _: _interrupted_now("after the last save: exiting now"))
+
+    def restore(self) -> None:
+        """The end of the run: every handler as it was before ``install``."""
+        self.owner.restore()
 
     def vote(self) -> int:
         if not self.received:
@@ -159,10 +165,10 @@ class SignalWatcher:
         return names
 
 
-def install_signal_handlers(signal_spec: str | int | None) -> SignalWatcher:
+def install_signal_handlers(signal_spec: str | int | None, owner: SignalOwner | None = None) -> SignalWatcher:
     """Install the handlers as early as possible (a warning signal before this kills the process by default)."""
     stop = signal_spec if isinstance(signal_spec, int) or signal_spec is None else parse_signal(signal_spec)
-    return SignalWatcher(stop).install()
+    return SignalWatcher(stop, owner).install()
 
 
 class WallClockInterval:
@@ -273,7 +279,7 @@ class StepBoundary:
 
     def __call__(self, step: int) -> Decision:
         if self.step_sleep > 0:
-            time.sleep(self.step_sleep)  # test-only pacing (PYRECOVER_STEP_SLEEP)
+            time.sleep(self.step_sleep)  # test-only pacing (knobs.step_sleep_s)
         now = self.mono()
         if self.walltime is not None and not self._saved_last:
             self.walltime.observe_step(now - self._last)  # a step that included a save would inflate the estimate
@@ -376,10 +382,7 @@ def from_args(args, *, rank: int, agree: Callable[[float], float], signals: Sign
     every = None
     if getattr(args, "checkpoint_interval_minutes", 0) and rank == 0:
         every = WallClockInterval(args.checkpoint_interval_minutes)
-    try:
-        step_sleep = float(environ.get("PYRECOVER_STEP_SLEEP", "0") or 0)
-    except ValueError:
-        step_sleep = 0.0
+    step_sleep = knobs.step_sleep_s(environ)
     return StepBoundary(IntervalPolicy(args.checkpoint_frequency, args.training_steps), agree=agree, rank=rank,
                         signals=signals, walltime=walltime, every_minutes=every,
                         requeue=RequeueSettings(args.requeue, args.max_restarts), environ=environ, log=log,

@@ -14,6 +14,8 @@ from typing import Any, Callable
 import torch
 
 from . import layout, storage
+from .backends import BACKENDS, backend_class
+from .backends.vanilla import safe_load
 from .errors import CheckpointError
 
 SECTIONS = ("model", "optimizer")
@@ -30,36 +32,13 @@ def flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         yield prefix[:-1], obj
 
 
-def _load_mmap(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # noqa: BLE001 - any failure here is "not a readable checkpoint file"
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"cannot read {path} as a weights-only torch file: {first[:200]}") from None
-
-
-def _vanilla_section(step_dir: Path, manifest: dict, section: str) -> dict[str, Any]:
-    name = f"{section}.pt"
-    if name not in manifest["files"]:
-        raise CheckpointError(f"{step_dir} holds no {section} state")
-    return _load_mmap(step_dir / name)
-
-
-#: backend name (as in manifest.json) -> function(step_dir, manifest, section) -> nested state dict.
-#: Other backends register their reader here (e.g. dcp), so every tool reads every format.
-SECTION_READERS: dict[str, Callable[[Path, dict, str], dict[str, Any]]] = {
-    "vanilla": _vanilla_section,
-    "concurrent": _vanilla_section,
-}
-
-
-def _dcp_section(step_dir: Path, manifest: dict, section: str) -> dict[str, Any]:
-    from .backends.dcp import read_section as read_dcp  # imports torch.distributed.checkpoint only when needed
-
-    return read_dcp(step_dir, manifest, section)
-
-
-SECTION_READERS["dcp"] = _dcp_section  # sharded, any world size: full tensors, no process group
+def section_reader(backend: str) -> Callable[[Path, dict, str], dict[str, Any]]:
+    """``(step_dir, manifest, section) -> nested state dict`` for checkpoints written by ``backend`` (the name in their
+    manifest): the backend class's ``read_section``, from the one registry (checkpoint.backends). Importing the
+    backend's module happens here, only for a checkpoint in its format (dcp: torch.distributed.checkpoint)."""
+    if backend not in BACKENDS:
+        raise CheckpointError(f"no reader for backend {backend!r}")
+    return backend_class(backend).read_section
 
 
 def locate(path: str | Path) -> tuple[Path, dict | None]:
@@ -81,14 +60,13 @@ def read_section(path: str | Path, section: str = "model") -> dict[str, Any]:
     """Flat {name: tensor-or-value} of one section of a checkpoint."""
     where, manifest = locate(path)
     if manifest is None:
-        data = _load_mmap(where)
+        data = safe_load(where, mmap=True)
         if section in data and isinstance(data[section], dict):  # a single file holding several sections
             data = data[section]
         elif section != "model":
             raise CheckpointError(f"{where} holds no {section} state")
     else:
-        reader = SECTION_READERS.get(manifest["backend"])
-        if reader is None:
+        if manifest["backend"] not in BACKENDS:
             raise CheckpointError(f"{where}: no reader for backend {manifest['backend']!r}")
-        data = reader(where, manifest, section)
+        data = section_reader(manifest["backend"])(where, manifest, section)
     return dict(flatten(data))

@@ -1,4 +1,5 @@
-"""The few SLURM facts the stop/requeue policy needs, read from the environment, ``squeue`` and ``scontrol``.
+"""Every SLURM fact the program needs, read from the environment, ``squeue`` and ``scontrol``: this task's place in
+the job (the launch, distributed.py) and the job's deadline, restarts and requeue (the stop/requeue policy).
 
 Every command runs with a timeout and with the stop signals blocked in the child (``run``): SLURM delivers a job's
 signals to every process of a task, so an ``squeue`` or ``scontrol requeue`` started by train.py would otherwise die of
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import calendar
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -47,6 +49,36 @@ def restart_count(environ: Mapping[str, str] = os.environ) -> int:
         return int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
     except ValueError:
         return 0
+
+
+def first_host(nodelist: str) -> str:
+    """First hostname of a SLURM node list, e.g. 'nid[001-004,007]' -> 'nid001'. Uses scontrol when available."""
+    try:
+        out = run(["scontrol", "show", "hostnames", nodelist], timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.split()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    m = re.match(r"^([^\[,]+)(?:\[([^\]]+)\])?", nodelist)
+    if not m:
+        return nodelist
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def task(environ: Mapping[str, str] = os.environ) -> tuple[int, int, int, str, int] | None:
+    """This process as a task of an ``srun`` step: (rank, world size, local rank, master address, master port), or
+    None outside one. The master is the step's first node; the port is derived from the job id, so two jobs sharing a
+    node do not collide."""
+    if not ("SLURM_PROCID" in environ and "SLURM_NTASKS" in environ and "SLURM_STEP_ID" in environ):
+        return None
+    master = environ.get("MASTER_ADDR") or first_host(
+        environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_JOB_NODELIST", "127.0.0.1")))
+    port = int(environ.get("MASTER_PORT") or 20000 + int(environ.get("SLURM_JOB_ID", "0")) % 20000)
+    return (int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"]), int(environ.get("SLURM_LOCALID", 0)), master,
+            port)
 
 
 def run(cmd: Sequence[str], timeout: float) -> subprocess.CompletedProcess:

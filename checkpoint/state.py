@@ -46,20 +46,29 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 class ModelState:
     """Model weights keyed by fully-qualified parameter name, without wrapper prefixes.
 
-    Goes through torch.distributed.checkpoint's state_dict helpers, which handle DDP, torch.compile and FSDP2 alike:
-    with ``full=True`` an FSDP model's shards are gathered into whole tensors (rank 0 gets them on CPU), which is what a
-    single-file backend needs; ``full=False`` keeps each rank's shard as a DTensor, which is what DCP needs.
+    Goes through torch.distributed.checkpoint's state_dict helpers, which handle DDP, torch.compile and FSDP2 alike.
+    Two modes, chosen by what the backend saves (its ``sharded`` class attribute, backends/base.py):
+
+    ``sharded=False`` (full): an FSDP model's shards are gathered into whole tensors (rank 0 gets them on CPU) -- one
+        full copy, written once by rank 0 (vanilla, concurrent).
+    ``sharded=True``: each rank's FSDP shard as a DTensor (plain tensors for DDP), every rank saving its own share
+        (dcp). Loading full tensors (a vanilla checkpoint, which every rank reads whole) into a sharded model scatters
+        them into the shards, so a vanilla checkpoint resumes an FSDP run without conversion.
+
+    The keys are the same in both modes (and a plain model's tensors too): only where the bytes of a sharded model
+    come from differs.
     """
 
-    def __init__(self, model: torch.nn.Module, full: bool = True):
+    def __init__(self, model: torch.nn.Module, sharded: bool = False):
         self.wrapped = model
         self.model = unwrap_model(model)
-        self.full = full
+        self.sharded = bool(sharded)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        options = StateDictOptions(full_state_dict=self.full, cpu_offload=self.full and _is_fsdp(self.model))
+        full = not self.sharded
+        options = StateDictOptions(full_state_dict=full, cpu_offload=full and _is_fsdp(self.model))
         return get_model_state_dict(self.model, options=options)
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -70,22 +79,25 @@ class ModelState:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         check_compatible(self.state_dict(), state_dict)
-        set_model_state_dict(self.model, state_dict, options=StateDictOptions(full_state_dict=self.full, strict=True))
+        full = _loads_full(self.sharded, self.model, state_dict)
+        set_model_state_dict(self.model, state_dict, options=StateDictOptions(full_state_dict=full, strict=True))
 
 
 class OptimizerState:
     """AdamW moments and step counts, keyed by parameter NAME (not by position), so they survive resharding and
-    format conversion. DCP's helpers restore *all* state: loading into a fresh optimizer keeps the moments."""
+    format conversion. DCP's helpers restore *all* state: loading into a fresh optimizer keeps the moments.
+    ``sharded``: as for :class:`ModelState` (full tensors load into a sharded model too)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, full: bool = True):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool = False):
         self.model = unwrap_model(model)
         self.optimizer = optimizer
-        self.full = full
+        self.sharded = bool(sharded)
 
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        options = StateDictOptions(full_state_dict=self.full, cpu_offload=self.full and _is_fsdp(self.model))
+        full = not self.sharded
+        options = StateDictOptions(full_state_dict=full, cpu_offload=full and _is_fsdp(self.model))
         return get_optimizer_state_dict(self.model, self.optimizer, options=options)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -95,14 +107,35 @@ class OptimizerState:
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=StateDictOptions(full_state_dict=self.full))
+        full = _loads_full(self.sharded, self.model, state_dict)
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=StateDictOptions(full_state_dict=full))
+
+
+def _loads_full(sharded: bool, model: torch.nn.Module, state_dict: dict[str, Any]) -> bool:
+    """Whether ``state_dict`` is applied as full tensors: always in full mode; in sharded mode when the model holds
+    DTensors (FSDP) but the state dict has none (a full-tensor checkpoint, e.g. vanilla, resuming a sharded run)."""
+    return not sharded or (holds_dtensors(model) and not _has_dtensor(state_dict))
+
+
+def holds_dtensors(model: torch.nn.Module) -> bool:
+    """Some parameter is a DTensor (FSDP2): full and sharded state dicts of this model differ."""
+    from torch.distributed.tensor import DTensor  # already imported by torch.distributed at this point: no cost
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _has_dtensor(obj: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    def walk(o: Any) -> bool:
+        return isinstance(o, DTensor) or (isinstance(o, dict) and any(walk(v) for v in o.values()))
+
+    return walk(obj)
 
 
 def _is_plain(model: torch.nn.Module) -> bool:
     """No FSDP, no DTensor: every parameter is a whole, ordinary tensor."""
-    from torch.distributed.tensor import DTensor  # already imported by torch.distributed at this point: no cost
-
-    return not _is_fsdp(model) and not any(isinstance(p, DTensor) for p in model.parameters())
+    return not _is_fsdp(model) and not holds_dtensors(model)
 
 
 def _by_position(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict | None:

@@ -139,20 +139,19 @@ import torch
 import distributed, train
 from model import Transformer
 from dataset import TrainLoader
-from checkpoint import CheckpointManager, CheckpointState, RankInfo, RNGState, RunInfo, TrainState, make_backend
-from checkpoint.backends.dcp import DCPModelState, DCPOptimizerState
+from checkpoint import (CheckpointManager, CheckpointState, ModelState, OptimizerState, RankInfo, RNGState, RunInfo,
+                        TrainState, make_backend)
 
 src, dst = os.environ["PROBE_SRC"], os.environ["PROBE_DST"]
 args = train.build_parser().parse_args(sys.argv[1:])
 env = distributed.init(args.distributed)
-tokenizer, windows, config = train.validate(args, env)
-model = Transformer(config)
-if env.distributed:
-    model = train.shard_fsdp(model) if args.parallel == "fsdp" else torch.nn.parallel.DistributedDataParallel(model)
+tokenizer, windows, config = train.check_inputs(args, env)
+model = distributed.parallelize(Transformer(config), env, args.parallel)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, train.lr_lambda(args.lr_warmup_steps, args.training_steps))
 rank = RankInfo(env.rank, env.world_size, env.local_rank)
-state = CheckpointState(model=DCPModelState(model), optimizer=DCPOptimizerState(model, optimizer), lr_scheduler=scheduler,
+state = CheckpointState(model=ModelState(model, sharded=True), optimizer=OptimizerState(model, optimizer, sharded=True),
+                        lr_scheduler=scheduler,
                         dataloader=TrainLoader(windows, args.batch_size, env.rank, env.world_size, args.seed),
                         train_state=TrainState(), rng=RNGState(), run_info=RunInfo())
 step = CheckpointManager(src, make_backend("dcp", rank), rank, run_id="probe").load(src, state)

@@ -213,9 +213,10 @@ def test_malicious_pickle_is_refused_and_never_runs(corpus, reference, tmp_path)
     assert proc.returncode != 0
     line = one_line_matching(proc.stderr, r"^error: ")
     assert re.search(r"refusing to load \S+model\.pt: it contains pickled Python objects", line), line
+    assert "weights_only=True" in line  # says why: a checkpoint must load with weights_only=True
     assert "Traceback" not in proc.stderr
     cw = check_weights(step_dir(exp, 6), step_dir(reference, 6))
-    assert cw.returncode == 2 and "weights-only" in cw.stdout + cw.stderr
+    assert cw.returncode == 2 and "weights_only=True" in cw.stdout + cw.stderr
     assert not marker.exists()
 
     # Same for a per-rank file.
@@ -471,37 +472,48 @@ class _Piece:
         self.value = sd["v"]
 
 
-def _jit(tmp_path: Path, step: int = 5, rank: int = 0, csv_path: Path | None = None):
-    from checkpoint import CheckpointState, RankInfo, TrainState
+def _jit(tmp_path: Path, step: int = 5, rank: int = 0, metrics=None):
+    from checkpoint import CheckpointManager, CheckpointState, RankInfo, TrainState, make_backend
     from checkpoint.jit import JustInTime
 
-    train = TrainState(step=step)
-    state = CheckpointState(model=_Piece(1), train_state=train, dataloader=_Piece(7))
-    return JustInTime(True, root=tmp_path, state=state, rank=RankInfo(rank, 2), run_id="test", log=lambda m: None,
-                      csv_path=csv_path)
+    who = RankInfo(rank, 2)
+    manager = CheckpointManager(tmp_path, make_backend("vanilla", who), who, run_id="test", log=lambda m: None)
+    state = CheckpointState(model=_Piece(1), train_state=TrainState(step=step), dataloader=_Piece(7))
+    return JustInTime(manager, state, ensure_logged=metrics.ensure_logged if metrics else (lambda step: None),
+                      log=lambda m: None)
 
 
 def test_jit_survivor_commits_and_logs_the_step_rank0_never_logged(tmp_path):
     """Rank 1 completes step 5 and rank 0 dies before writing CSV row 5: rank 1 saves step 5 as a committed,
-    verifiable 2-rank checkpoint (meta.jit) and appends row 5, so the CSV still has every step once."""
+    verifiable 2-rank checkpoint (meta.jit) and its metrics append row 5, so the CSV still has every step once."""
+    from metrics import Metrics
+
     csv_path = tmp_path / "loss.csv"
     csv_path.write_text("step,loss,lr,tokens_seen,wall_time,restart\n" +
                         "".join(f"{i},{i}.0,0.1,{10 * i},0.0,0\n" for i in range(1, 5)))
-    jit = _jit(tmp_path, step=5, rank=1, csv_path=csv_path)
+    metrics = Metrics(writer=False, csv_path=csv_path, log=lambda m: None)  # rank 1: notes rows, writes none
+    jit = _jit(tmp_path, step=5, rank=1, metrics=metrics)
     jit.begin_step()
     jit.begin_optimizer()
     jit.end_step()
-    jit.note_row(step=5, loss="5.0", lr="0.1", tokens_seen=50, restart=0)
-    before = signal.getsignal(signal.SIGTERM)
-    try:
-        assert jit.recover(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")) is True
-    finally:
-        signal.signal(signal.SIGTERM, before)
+    metrics.step(5, 5.0, 0.1, None, 1.0, 50, 0)
+    assert jit.recover(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")) is True
     manifest = layout.verify(step_dir(tmp_path, 5))
     assert manifest["step"] == 5 and manifest["world_size"] == 2 and manifest["meta"]["jit"] is True
     assert {"model.pt", "train_state.pt", "rank-00000.pt", "rank-00001.pt"} <= set(manifest["files"])
     assert [r[0] for r in loss_rows(csv_path)] == ["1", "2", "3", "4", "5"]
     assert loss_rows(csv_path)[-1] == ("5", "5.0", "0.1", "50")
+    assert not any(p.name.startswith(".staging-") and any(p.rglob("step-*")) for p in tmp_path.iterdir())
+
+
+def test_jit_keeps_a_valid_periodic_save_of_the_same_step(tmp_path):
+    """A periodic save of step 5 committed while the survivor was writing: the layout keeps it, the JIT copy goes."""
+    jit = _jit(tmp_path, step=5)
+    jit.begin_step()
+    pieces, meta = jit._pieces()
+    first = jit.manager.save_alone(5, pieces, meta=meta | {"first": True})
+    second = jit.manager.save_alone(5, pieces, meta=meta)
+    assert first == second and layout.verify(first)["meta"].get("first") is True
 
 
 def test_jit_never_saves_from_inside_the_optimizer_step(tmp_path):
@@ -511,35 +523,15 @@ def test_jit_never_saves_from_inside_the_optimizer_step(tmp_path):
     jit.begin_step()
     jit.begin_optimizer()
     assert jit.phase == OPTIMIZER
-    before = signal.getsignal(signal.SIGTERM)
-    try:
-        assert jit.recover(RuntimeError("Connection closed by peer")) is False  # -> re-raised, exit 1
-    finally:
-        signal.signal(signal.SIGTERM, before)  # recover() ignores SIGTERM from then on (the process is exiting)
-    assert not list(tmp_path.iterdir())
-
-
-def test_jit_sigterm_in_optimizer_step_is_deferred_to_the_step_end(tmp_path):
-    from checkpoint.jit import JITInterrupt
-
-    jit = _jit(tmp_path)
-    jit.begin_step()
-    with pytest.raises(JITInterrupt):
-        jit._on_signal(signal.SIGTERM, None)  # forward/backward: unwind now, the state is intact
-    jit.begin_step()
-    jit.begin_optimizer()
-    jit._on_signal(signal.SIGTERM, None)  # inside the optimizer step: nothing happens yet
-    jit.end_step()
-    with pytest.raises(JITInterrupt, match="during the optimizer step"):
-        jit.note_row(step=6, loss="1.0", lr="0.1", tokens_seen=60, restart=0)  # once the step is complete and logged
+    assert jit.recover(RuntimeError("Connection closed by peer")) is False  # -> re-raised, exit 1
+    assert not list(tmp_path.glob("step-*"))
 
 
 def test_jit_tells_peer_failures_from_own_failures():
-    from checkpoint.jit import JITInterrupt, is_peer_failure
+    from checkpoint.jit import is_peer_failure
 
     assert is_peer_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
     assert is_peer_failure(RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 5000ms"))
-    assert is_peer_failure(JITInterrupt("received SIGTERM"))
     assert not is_peer_failure(RuntimeError("injected crash of rank 1 at step 7"))
     assert not is_peer_failure(ValueError("bad value"))
     assert not is_peer_failure(MemoryError())

@@ -276,7 +276,7 @@ def test_double_signal_and_sigterm_during_the_save_neither_save_again_nor_abort(
 
 def test_sigterm_before_the_loop_exits_at_once_and_in_the_loop_saves(restore_signals):
     watcher = policy.install_signal_handlers("none")
-    assert signal.getsignal(signal.SIGUSR1) is not watcher._handle
+    assert not watcher.owner.owns(signal.SIGUSR1)
     with pytest.raises(SystemExit) as e:
         _deliver(signal.SIGTERM)  # setup: nothing to save yet
     assert e.value.code == 128 + signal.SIGTERM
@@ -451,3 +451,31 @@ def test_stop_signal_during_startup_imports_is_held_not_fatal(corpus, tmp_path):
     assert proc.returncode == 4, out[-3000:]  # stopped and saved; not a SLURM job, so no requeue
     assert "rank 0: received SIGUSR1" in out and "saving and stopping at step 1: received SIGUSR1" in out, out[-3000:]
     assert "checkpoint step 1 committed" in out, out[-3000:]
+
+
+def test_signal_owner_composes_listeners_and_restores_the_previous_handlers(restore_signals):
+    """One owner per process (checkpoint/signals.py): listeners of one signal all run, in order, and restore() puts
+    back exactly the handlers found before -- here a handler of the test's own, which gets the next signal again."""
+    from checkpoint.signals import SignalOwner
+
+    seen: list[str] = []
+    mine = lambda signum, frame: seen.append("previous")  # noqa: E731
+    signal.signal(signal.SIGUSR2, mine)
+    owner = SignalOwner()
+    owner.listen(signal.SIGUSR2, lambda s: seen.append("first"))
+    owner.listen(signal.SIGUSR2, lambda s: seen.append("second"))
+    assert owner.owns(signal.SIGUSR2)
+    _deliver(signal.SIGUSR2)
+    assert seen == ["first", "second"]
+    owner.restore()
+    assert signal.getsignal(signal.SIGUSR2) is mine
+    _deliver(signal.SIGUSR2)
+    assert seen == ["first", "second", "previous"]
+
+
+def test_the_stop_policy_restores_the_handlers_it_found(restore_signals):
+    before = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
+    watcher = policy.install_signal_handlers("USR1")
+    assert all(watcher.owner.owns(s) for s in before)
+    watcher.restore()
+    assert {s: signal.getsignal(s) for s in before} == before

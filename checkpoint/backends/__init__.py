@@ -1,23 +1,96 @@
-"""Backends: how checkpoint bytes land. One backend per file; `make_backend` is the only place that picks one.
+"""Backends: how checkpoint bytes land. One backend per file; this is the one registry: `make_backend` / `loader_for`
+pick the backend that writes / reads, `backend_class(name).read_section` reads a checkpoint's tensors for the tools
+(reader.py, convert.py), and `check_combination` refuses what a backend cannot do, from its capabilities.
 
 A backend's module is imported when it is first used: dcp pulls in torch.distributed.checkpoint (~0.6 s), which a
-run on another backend, or a resume from another backend's checkpoint, should not pay at every restart.
+run on another backend, or a resume from another backend's checkpoint, should not pay at every restart. So the
+capabilities are also in a table here (``CAPABILITIES``), equal to the class attributes (base.py checks it when a
+backend class is defined), and the refusals never import a backend module.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 
-from .base import Backend, PayloadHandle, RankInfo
+from .. import storage
+from ..errors import CheckpointError
+from .base import ASYNC_ALWAYS, ASYNC_OPTIONAL, Backend, Capabilities, PayloadHandle, RankInfo
 
 #: backend name (as in manifest.json and --checkpoint-backend) -> "module:class" in this package
 BACKENDS: dict[str, str] = {"vanilla": "vanilla:VanillaBackend", "concurrent": "concurrent:ConcurrentBackend",
                             "dcp": "dcp:DCPBackend"}
 
+#: backend name -> its capabilities (= the class attributes of the same names; see base.Backend for their meaning)
+CAPABILITIES: dict[str, Capabilities] = {
+    "vanilla": Capabilities(),
+    "concurrent": Capabilities(asynchronous=ASYNC_ALWAYS),
+    "dcp": Capabilities(sharded=True, remote_ok=True, asynchronous=ASYNC_OPTIONAL),
+}
+
+#: the format a just-in-time save (--jit-checkpoint, jit.py) is written in, by the one surviving rank that saves:
+#: its limits are this backend's
+JIT_FORMAT = "vanilla"
+
+#: another spelling of ``--checkpoint-backend NAME`` on train.py's command line, named in the refusals
+_CLI_ALIASES = {"dcp": "--use-torch-distributed-ckpt"}
+
 
 def backend_class(name: str) -> type[Backend]:
     module, cls = BACKENDS[name].split(":")
     return getattr(importlib.import_module(f".{module}", __package__), cls)
+
+
+def capabilities(name: str) -> Capabilities:
+    """What backend ``name`` can do, without importing its module."""
+    if name not in CAPABILITIES:
+        raise ValueError(f"unknown checkpoint backend {name!r}; choose one of: {', '.join(BACKENDS)}")
+    return CAPABILITIES[name]
+
+
+def _how(able: list[str]) -> str:
+    return " or ".join(f"--checkpoint-backend {n}" + (f" (or {_CLI_ALIASES[n]})" if n in _CLI_ALIASES else "")
+                       for n in able)
+
+
+def combination_refusal(name: str, *, sharded: bool = False, checkpoint_dir: str | os.PathLike | None = None,
+                        async_save: bool | str = False, jit: bool = False) -> str | None:
+    """Why a run cannot checkpoint this way, in one line, or None when it can. Every such refusal is here, derived from
+    the backends' capabilities (a just-in-time save has those of ``JIT_FORMAT``).
+
+    ``name``: --checkpoint-backend. ``sharded``: the model is sharded over ranks (--parallel fsdp under
+    --distributed). ``checkpoint_dir``: --checkpoint-dir (object storage when ``s3://``). ``async_save``:
+    --async-checkpoint (any true value). ``jit``: --jit-checkpoint."""
+    caps = capabilities(name)
+    remote = checkpoint_dir is not None and storage.is_remote(checkpoint_dir)
+    jit_caps = CAPABILITIES[JIT_FORMAT]
+    able = lambda attr: [n for n, c in CAPABILITIES.items() if getattr(c, attr)]  # noqa: E731
+    if sharded and not caps.sharded:
+        return (f"--parallel fsdp shards the model over ranks; save it with {_how(able('sharded'))}: the {name} backend "
+                "writes one full copy from rank 0 (convert a DCP checkpoint afterwards with "
+                "`python -m checkpoint convert SRC DST --to vanilla`)")
+    if remote and not caps.remote_ok:
+        return f"--checkpoint-dir {checkpoint_dir} is object storage: it needs {_how(able('remote_ok'))}"
+    if jit and remote and not jit_caps.remote_ok:
+        return "--jit-checkpoint writes to a local --checkpoint-dir; it does not support s3://"
+    if async_save and caps.asynchronous != ASYNC_OPTIONAL:
+        optional = [n for n, c in CAPABILITIES.items() if c.asynchronous == ASYNC_OPTIONAL]
+        always = [f"the {n} backend" for n, c in CAPABILITIES.items() if c.asynchronous == ASYNC_ALWAYS]
+        tail = f"; {' and '.join(always)} {'is' if len(always) == 1 else 'are'} always asynchronous" if always else ""
+        return f"--async-checkpoint is for {_how(optional)}{tail}"
+    if jit and sharded and not jit_caps.sharded:
+        return ("--jit-checkpoint needs every rank to hold the full state (DDP); with sharded (FSDP) state no survivor "
+                "can save it: drop --jit-checkpoint")
+    return None
+
+
+def check_combination(name: str, *, sharded: bool = False, checkpoint_dir: str | os.PathLike | None = None,
+                      async_save: bool | str = False, jit: bool = False) -> None:
+    """Raise CheckpointError with :func:`combination_refusal`'s line, if any. Call it before any training time is
+    spent (train.py, at startup)."""
+    why = combination_refusal(name, sharded=sharded, checkpoint_dir=checkpoint_dir, async_save=async_save, jit=jit)
+    if why is not None:
+        raise CheckpointError(why)
 
 
 def make_backend(name: str, rank: RankInfo, **options) -> Backend:
@@ -35,4 +108,6 @@ def loader_for(manifest: dict, rank: RankInfo) -> Backend:
     return backend_class(name)(rank)
 
 
-__all__ = ["Backend", "PayloadHandle", "RankInfo", "BACKENDS", "backend_class", "make_backend", "loader_for"]
+__all__ = ["ASYNC_ALWAYS", "ASYNC_OPTIONAL", "BACKENDS", "CAPABILITIES", "Backend", "Capabilities", "PayloadHandle",
+           "RankInfo", "backend_class", "capabilities", "check_combination", "combination_refusal", "loader_for",
+           "make_backend"]

@@ -10,9 +10,24 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-from ..state import CheckpointState
+from ..errors import CheckpointError
+from ..state import CheckpointState, holds_dtensors
+
+#: values of ``Backend.asynchronous``
+ASYNC_OPTIONAL = "optional"  # synchronous saves unless asked (--async-checkpoint): then they persist in the background
+ASYNC_ALWAYS = "always"  # every save persists in the background by design; there is nothing to ask for
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, as the class attributes of the same names on its :class:`Backend` class (see there).
+    Every refusal of a flag combination is derived from these, in one place: ``backends.check_combination``."""
+
+    sharded: bool = False
+    remote_ok: bool = False
+    asynchronous: str | None = None
 
 
 @dataclass(frozen=True)
@@ -86,8 +101,53 @@ class Backend(ABC):
     #: how many saves may be in flight at once (1 = the next save waits for the previous one)
     max_in_flight: int = 1
 
+    # --- capabilities (class attributes; mirrored in backends.CAPABILITIES, readable without importing the backend's
+    # module: a subclass whose values differ from that table fails at its definition) ---
+    #: saves *sharded* state: every rank writes its own share (FSDP shards as DTensors), so the model/optimizer pieces
+    #: are built with ``ModelState(model, sharded=True)`` / ``OptimizerState(model, optimizer, sharded=True)``.
+    #: False: one full copy, gathered on and written by rank 0 (pieces with ``sharded=False``).
+    sharded: bool = False
+    #: can write to object storage (``--checkpoint-dir s3://...``)
+    remote_ok: bool = False
+    #: when saves persist in the background (training continues while the bytes land): None = never (every save is
+    #: durable when ``save`` returns); ASYNC_OPTIONAL = when asked (--async-checkpoint, the ``async_save`` option);
+    #: ASYNC_ALWAYS = always, by design (nothing to ask for: --async-checkpoint is refused as meaningless)
+    asynchronous: str | None = None
+
     def __init__(self, rank: RankInfo):
         self.rank = rank
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        from . import CAPABILITIES  # the package is initialised before any backend module is imported
+
+        declared = CAPABILITIES.get(cls.name)
+        if declared is not None and declared != cls.capabilities():
+            raise TypeError(f"{cls.__name__} declares {cls.capabilities()}, but checkpoint.backends.CAPABILITIES"
+                            f"[{cls.name!r}] says {declared}: keep the two equal")
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        return Capabilities(sharded=cls.sharded, remote_ok=cls.remote_ok, asynchronous=cls.asynchronous)
+
+    @staticmethod
+    def read_section(step_dir: Path, manifest: dict, section: str) -> dict[str, Any]:
+        """One section (model, optimizer, ...) of a committed checkpoint written by this backend, as the nested state
+        dict of full tensors, in this process, with no process group and no model (checkpoint/reader.py)."""
+        raise NotImplementedError
+
+    def check_state(self, state: CheckpointState) -> None:
+        """Refuse model/optimizer pieces built for the other mode than this backend saves (``sharded``) where the
+        modes differ -- a model holding DTensors (FSDP); for any other model both give the same plain tensors. Called
+        at the start of ``save``."""
+        for key in ("model", "optimizer"):
+            piece = state.get(key)
+            mode = getattr(piece, "sharded", None)
+            if mode is None or mode == self.sharded or not holds_dtensors(piece.model):
+                continue
+            raise CheckpointError(f"the {self.name} backend saves {'sharded' if self.sharded else 'full'} state, but "
+                                  f"the {key} piece was built with sharded={mode}; build it with "
+                                  f"{type(piece).__name__}(..., sharded={self.sharded})")
 
     @abstractmethod
     def save(self, step_dir: Path, state: CheckpointState) -> PayloadHandle:

@@ -26,13 +26,11 @@ page-cache copy. Tensors of one dtype in one file share one storage record (view
 
 Writers are threads, not processes: every heavy step (memcpy, xxh3, write, fsync) releases the GIL, and a process
 would need the state in shared memory plus its own cleanup on SIGKILL (an orphaned writer must never write into a
-folder a restarted run has reused); `python -m checkpoint.bench` measures the training-throughput dip of both.
+folder a restarted run has reused); `python -m benchmarks.backends` measures the training-throughput dip of both.
 
 Errors in the background (ENOSPC, EIO) are re-raised by ``wait()``; the manager turns them into one CheckpointError
-line at the next step's ``poll()``. Test-only hooks: fault points ``concurrent_persist_begin`` (once per save, as its
-writer starts), ``concurrent_write_chunk`` (before every data chunk) and ``concurrent_persist_half`` (once per save,
-halfway through its tensor bytes) for PYRECOVER_FAULT, plus
-PYRECOVER_TEST_PERSIST_DELAY_S=<seconds> which makes each payload file take that much longer (a slow disk).
+line at the next step's ``poll()``. Test-only hooks (knobs.py): fault points ``concurrent_persist_begin``,
+``concurrent_write_chunk`` and ``concurrent_persist_half``, and ``PYRECOVER_TEST_PERSIST_DELAY_S`` (a slow disk).
 """
 
 from __future__ import annotations
@@ -46,11 +44,12 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from ..fsio import PAGE, ChecksumWriter, atomic_write, fault_point, fsync_dir
+from ..fsio import PAGE, ChecksumWriter, atomic_write, fsync_dir
+from ..knobs import fault_point, persist_delay_s
 from ..state import CheckpointState
-from .base import Backend, PayloadHandle, RankInfo
+from .base import ASYNC_ALWAYS, Backend, PayloadHandle, RankInfo
 from .torchzip import FilePlan, Plan, plan_pieces
-from .vanilla import load_pieces, payload_pieces
+from .vanilla import load_pieces, payload_pieces, read_section
 
 MiB = 1 << 20
 DEFAULT_CHUNK = 16 * MiB
@@ -270,6 +269,10 @@ class ConcurrentBackend(Backend):
     the writer threads (0 = same as training, the default)."""
 
     name = "concurrent"
+    # capabilities (base.Backend; = backends.CAPABILITIES["concurrent"]): full state from rank 0, local only, and every
+    # save persists in the background by design (no --async-checkpoint to ask for it)
+    asynchronous = ASYNC_ALWAYS
+    read_section = staticmethod(read_section)  # vanilla's files, in the same zip format
 
     def __init__(self, rank: RankInfo, max_async: int = 2, chunk_mib: float = DEFAULT_CHUNK / MiB,
                  log: Callable[[str], None] | None = None, pipeline: bool = True, writer_nice: int = 0):
@@ -287,10 +290,10 @@ class ConcurrentBackend(Backend):
         self.chunk = max(PAGE, int(chunk_mib * MiB) // PAGE * PAGE)
         self.log = log if log is not None else (print if rank.is_main else (lambda m: None))
         self.pool = BufferPool(self.max_in_flight, self.log)
-        # Test-only: called by the writer after each payload file's bytes (before its fsync). The env knob simulates a
-        # slow disk so that the CLI tests can watch several saves in flight.
+        # Test-only: called by the writer after each payload file's bytes (before its fsync). The knob simulates a slow
+        # disk so that the CLI tests can watch several saves in flight.
         self.after_file: Callable[[Path], None] | None = None
-        delay = float(os.environ.get("PYRECOVER_TEST_PERSIST_DELAY_S", "0") or 0)
+        delay = persist_delay_s()
         if delay > 0:
             self.after_file = lambda path: time.sleep(delay)
         self.saves = 0
@@ -307,6 +310,7 @@ class ConcurrentBackend(Backend):
         return self._streams[device]
 
     def save(self, step_dir: Path, state: CheckpointState) -> PayloadHandle:
+        self.check_state(state)
         t0 = time.perf_counter()
         plan = plan_pieces(payload_pieces(state, self.rank.rank))
         pin = torch.cuda.is_available() and any(t.device.type == "cuda" for t, _ in plan.copies)

@@ -15,10 +15,11 @@ checksum of the bytes as they were written (nothing is read back). Writers: ``Fi
 locally (+ a directory fsync here), s3torchconnector's ``S3StorageWriter`` for ``s3://`` (region/endpoint from
 ``AWS_*``).
 
-Loading builds the destination from the *current* model and optimizer (``get_state_dict`` with ``full=False``: DTensor
-shards under FSDP, plain tensors otherwise), lets DCP fill it — DCP reshards, so a checkpoint saved by N ranks loads on
-M — then ``set_state_dict`` applies it, which restores the AdamW moments and step counts in full. A vanilla checkpoint
-(full tensors) also loads into an FSDP model: :class:`DCPModelState` scatters full tensors into shards.
+Saving takes the model/optimizer pieces in sharded mode (state.py: ``ModelState(model, sharded=True)``, the mode
+``DCPBackend.sharded`` asks for): DTensor shards under FSDP, plain tensors otherwise. Loading builds the destination
+from the *current* model and optimizer the same way, lets DCP fill it — DCP reshards, so a checkpoint saved by N ranks
+loads on M — then ``set_state_dict`` applies it, which restores the AdamW moments and step counts in full. A vanilla
+checkpoint (full tensors) also loads into an FSDP model: the sharded-mode pieces scatter full tensors into shards.
 
 Nothing in a checkpoint can run code on load: DCP's ``.metadata`` is unpickled with an allow-list of DCP's own
 metadata classes, non-tensor values (optimizer hyper-parameters) with ``torch.load(weights_only=True)``.
@@ -67,15 +68,14 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-from torch.distributed.tensor import DTensor
 
 from .. import storage
 from ..errors import CheckpointError
-from ..fsio import ChecksumWriter, fault_point, real_io_errors
-from ..state import CheckpointState, ModelState, OptimizerState, check_compatible
-from .base import Backend, CompletedPayload, PayloadHandle, RankInfo
-from .vanilla import load_pieces, payload_pieces, save_pieces
+from ..fsio import ChecksumWriter, real_io_errors
+from ..knobs import fault_point
+from ..state import CheckpointState, check_compatible
+from .base import ASYNC_OPTIONAL, Backend, CompletedPayload, PayloadHandle, RankInfo
+from .vanilla import load_pieces, load_weights_only, payload_pieces, safe_load, save_pieces
 
 #: the pieces DCP writes (sharded / de-duplicated); every other piece goes through vanilla's helpers
 TENSOR_KEYS = ("model", "optimizer")
@@ -90,52 +90,6 @@ def _dist() -> bool:
 # in a single process"), also from the background thread of an async save: that is the intent here (one process, or a
 # tool reading a checkpoint), so say nothing.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-# --- state adapters: full=False, and full tensors accepted into an FSDP model --------------------------------------
-
-
-def _holds_dtensors(model: torch.nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def _has_dtensor(obj: Any) -> bool:
-    if isinstance(obj, DTensor):
-        return True
-    if isinstance(obj, dict):
-        return any(_has_dtensor(v) for v in obj.values())
-    return False
-
-
-class DCPModelState(ModelState):
-    """ModelState for the dcp backend: ``full=False`` (each rank's FSDP shard as a DTensor; plain tensors for DDP).
-
-    Loading full tensors (a vanilla checkpoint, which every rank reads whole) into an FSDP model scatters them into
-    the shards, so a vanilla checkpoint resumes an FSDP run without conversion."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__(model, full=False)
-
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        if _holds_dtensors(self.model) and not _has_dtensor(state_dict):
-            check_compatible(self.state_dict(), state_dict)
-            set_model_state_dict(self.model, state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
-        else:
-            super().load_state_dict(state_dict)
-
-
-class DCPOptimizerState(OptimizerState):
-    """OptimizerState for the dcp backend; see :class:`DCPModelState`."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        super().__init__(model, optimizer, full=False)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if _holds_dtensors(self.model) and not _has_dtensor(state_dict):
-            set_optimizer_state_dict(self.model, self.optimizer, state_dict,
-                                     options=StateDictOptions(full_state_dict=True))
-        else:
-            super().load_state_dict(state_dict)
 
 
 # --- writing: DCP's storage writer with a checksumming filesystem ---------------------------------------------------
@@ -178,7 +132,7 @@ class _ChecksumFS:
         @contextlib.contextmanager
         def recording():
             self._check_trainer_alive(path)
-            fault_point("dcp_write_file", path)  # test-only hook (fsio.py): kill or fail inside a DCP save
+            fault_point("dcp_write_file", path)  # test-only hook (knobs.py): kill or fail inside a DCP save
             with self._fs.create_stream(path, mode) as raw, real_io_errors(_RecordingStream(raw)) as stream:
                 yield stream  # DCP's torch.save would mask ENOSPC; real_io_errors re-raises it
             self.records[os.path.basename(str(path))] = stream.record()
@@ -283,12 +237,7 @@ class _WeightsOnlyBytes:
     """Mixin for DCP load planners: non-tensor values via ``torch.load(weights_only=True)`` (DCP uses False)."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            first = (str(e).strip().splitlines() or ["pickle error"])[0]
-            raise CheckpointError(f"refusing to load {read_item.dest_index.fqn!r}: it holds pickled Python objects "
-                                  f"({first[:160]}); a checkpoint must load with weights_only=True") from None
+        obj = load_weights_only(value, repr(read_item.dest_index.fqn), map_location=None)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
@@ -352,13 +301,11 @@ def _check_fits(metadata, expected_model: dict[str, torch.Tensor]) -> None:
 
 def read_section(step_dir, manifest: dict, section: str) -> dict[str, Any]:
     """One section (model / optimizer) of a DCP checkpoint as full tensors, in this process, without a process group
-    and without a model (the structure is rebuilt from DCP's metadata). Registered in reader.SECTION_READERS."""
+    and without a model (the structure is rebuilt from DCP's metadata). ``DCPBackend.read_section``."""
     if section not in TENSOR_KEYS:
         name = f"{section}.pt"
         if name not in manifest["files"]:
             raise CheckpointError(f"{step_dir} holds no {section} state")
-        from .vanilla import safe_load
-
         return safe_load(storage.as_path(step_dir) / name)
     planner = _TemplateFreePlanner(keys={section})
     try:
@@ -370,6 +317,19 @@ def read_section(step_dir, manifest: dict, section: str) -> dict[str, Any]:
     if section not in planner.original_state_dict:
         raise CheckpointError(f"{step_dir} holds no {section} state")
     return planner.original_state_dict[section]
+
+
+def write_sections(step_dir, sections: dict[str, dict]) -> dict[str, dict]:
+    """Write full state dicts ``{section: state_dict}`` (model, optimizer) as a one-rank DCP checkpoint in ``step_dir``
+    (local or s3://; loads at any world size), from this process alone; return the file records. For conversion
+    (convert.py) into this format. ``DCPBackend.write_sections``."""
+    writer = _writer(step_dir)
+    try:
+        dcp.save(sections, storage_writer=writer, no_dist=True)
+    except (Exception, CheckpointException) as e:
+        raise _save_error(e, step_dir) from None
+    storage.sync_dir(step_dir)
+    return dict(writer.fs.records)
 
 
 # --- the backend ----------------------------------------------------------------------------------------------------
@@ -438,6 +398,13 @@ class DCPBackend(Backend):
 
     name = "dcp"
     max_in_flight = 1  # the stager reuses its staging buffers: the next save starts after the previous is durable
+    # capabilities (base.Backend; = backends.CAPABILITIES["dcp"]): every rank saves its own shard, local or s3://,
+    # in the background when asked (async_save / --async-checkpoint)
+    sharded = True
+    remote_ok = True
+    asynchronous = ASYNC_OPTIONAL
+    read_section = staticmethod(read_section)
+    write_sections = staticmethod(write_sections)
 
     def __init__(self, rank: RankInfo, *, async_save: bool | str = False):
         super().__init__(rank)
@@ -525,6 +492,7 @@ class DCPBackend(Backend):
         return _AsyncPayload(response, writer.fs, files, step_dir, records_file)
 
     def save(self, step_dir: Path, state: CheckpointState) -> PayloadHandle:
+        self.check_state(state)
         tensors = {k: state[k].state_dict() for k in TENSOR_KEYS if k in state}
         files = self._write_rest(step_dir, state)
         try:

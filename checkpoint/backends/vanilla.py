@@ -6,13 +6,13 @@ holding that rank's RNG and data-loader position.
 
 from __future__ import annotations
 
-import io
 import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from .. import layout
+from .. import layout, storage
 from ..errors import CheckpointError
 from ..fsio import MemoryFile, atomic_write, fsync_dir
 from ..state import CheckpointState
@@ -52,10 +52,34 @@ def payload_pieces(state: CheckpointState, rank: int) -> dict[str, dict]:
     return pieces
 
 
-def safe_load(path: Path, record: dict | None = None, algorithm: str = "") -> dict:
-    """torch.load with weights_only=True: tensors and plain containers only; a pickled object is refused, never run.
-    With the manifest's ``record``, the bytes are verified as they arrive (or taken from layout.verify, which just
-    verified them): one read of the file, never a second pass to checksum it."""
+def load_weights_only(f, where: str, *, map_location: Any = "cpu", mmap: bool = False) -> Any:
+    """THE weights-only loader of the checkpoint package (every backend, reader.py, DCP's non-tensor values):
+    ``torch.load(weights_only=True)``, tensors and plain containers only; a pickled object is refused, never run.
+    ``f``: a path (``mmap`` allowed: tensors are then views of the file's pages) or a file object; ``where``: what to
+    call it in the one-line error."""
+    try:
+        return torch.load(f, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "pickle error"
+        raise CheckpointError(
+            f"refusing to load {where}: it contains pickled Python objects, not just tensors ({first[:160]}); "
+            "a checkpoint must load with weights_only=True"
+        ) from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {where}: {e.strerror or e}") from None
+    except (RuntimeError, EOFError, ValueError) as e:
+        raise CheckpointError(f"{where} is not a readable torch file ({(str(e).splitlines() or [''])[0][:160]})") from None
+
+
+def safe_load(path: Path, record: dict | None = None, algorithm: str = "", *, mmap: bool = False) -> Any:
+    """One file through :func:`load_weights_only`. With the manifest's ``record``, the bytes are verified as they
+    arrive (or taken from layout.verify, which just verified them): one read of the file, never a second pass to
+    checksum it. ``mmap`` (no record): memory-mapped, nothing read up front (reader.py: comparing two large
+    checkpoints does not hold both in RAM)."""
+    if mmap:
+        if record is not None:
+            raise ValueError("safe_load: a memory-mapped load is not verified as it is read; pass no record")
+        return load_weights_only(path, str(path), mmap=True)
     if record is not None:
         data = layout.take_verified(path, record, algorithm)
     else:
@@ -63,16 +87,22 @@ def safe_load(path: Path, record: dict | None = None, algorithm: str = "") -> di
             data = path.read_bytes()
         except OSError as e:
             raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
-    try:
-        return torch.load(MemoryFile(memoryview(data)), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "pickle error"
-        raise CheckpointError(
-            f"refusing to load {path}: it contains pickled Python objects, not just tensors ({first[:160]}); "
-            "a checkpoint must load with weights_only=True"
-        ) from None
-    except (RuntimeError, EOFError, ValueError) as e:
-        raise CheckpointError(f"{path} is not a readable torch file ({str(e).splitlines()[0][:160]})") from None
+    return load_weights_only(MemoryFile(memoryview(data)), str(path))
+
+
+def read_section(step_dir: Path, manifest: dict, section: str) -> dict[str, Any]:
+    """``<section>.pt`` of a checkpoint in this format (vanilla, concurrent), memory-mapped. See Backend.read_section."""
+    name = f"{section}.pt"
+    if name not in manifest["files"]:
+        raise CheckpointError(f"{step_dir} holds no {section} state")
+    return safe_load(step_dir / name, mmap=True)
+
+
+def write_sections(step_dir: Path, sections: dict[str, dict]) -> dict[str, dict]:
+    """Write full state dicts ``{section: state_dict}`` (model, optimizer) as ``<section>.pt`` files in ``step_dir``
+    (local or s3://); return their size/checksum records. For conversion (convert.py) into this format."""
+    return {f"{s}.pt": storage.write_with(step_dir / f"{s}.pt", lambda w, sd=sd: torch.save(sd, w))
+            for s, sd in sections.items()}
 
 
 def load_pieces(step_dir: Path, manifest: dict, state: CheckpointState, rank: int, log=print) -> None:
@@ -98,8 +128,12 @@ def load_pieces(step_dir: Path, manifest: dict, state: CheckpointState, rank: in
 
 class VanillaBackend(Backend):
     name = "vanilla"
+    # capabilities (base.Backend): the defaults -- full state from rank 0, local only, synchronous
+    read_section = staticmethod(read_section)
+    write_sections = staticmethod(write_sections)
 
     def save(self, step_dir: Path, state: CheckpointState) -> PayloadHandle:
+        self.check_state(state)
         return CompletedPayload(save_pieces(step_dir, payload_pieces(state, self.rank.rank), self.rank.rank))
 
     def load(self, step_dir: Path, manifest: dict, state: CheckpointState) -> None:

@@ -10,7 +10,7 @@ compared with it, so a backend or --jit-checkpoint that changed one bit of train
 
 * ``random``: SIGKILL at a uniformly random moment of the remaining training loop (estimated from the reference run).
   With 2 ranks either one rank (torchrun then tears the others down) or the whole job (node loss).
-* a named point of the save path, through the test-only hook of checkpoint/fsio.py (``PYRECOVER_FAULT=<point>:<n>``,
+* a named point of the save path, through the test-only hook of checkpoint/knobs.py (``PYRECOVER_FAULT=<point>:<n>``,
   n random over the writes of the remaining run): ``after_write_before_fsync``, ``after_fsync_before_rename``,
   ``after_manifest_before_commit``, ``during_retention_delete``.
 

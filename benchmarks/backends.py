@@ -1,10 +1,10 @@
 """Checkpoint benchmark: every backend against this machine's physical limits, one command, one run.
 
-    python -m checkpoint.bench                  # = make bench; ~12 min on 2 idle CPU cores; writes results/
-    python -m checkpoint.bench --quick          # ~4 min smoke run (small state only, short training runs)
-    python -m checkpoint.bench --dir /scratch   # benchmark another disk (default ./checkpoints; a temporary
-                                                # pyrecover-bench-<pid> sub-folder is used and removed)
-    python -m checkpoint.bench --part saves|train   # one half only (development)
+    python -m benchmarks.backends                 # = make bench-detail; ~12 min on 2 idle CPU cores; writes results/
+    python -m benchmarks.backends --quick         # ~4 min smoke run (small state only, short training runs)
+    python -m benchmarks.backends --dir /scratch  # benchmark another disk (default ./checkpoints; a temporary
+                                                  # pyrecover-bench-<pid> sub-folder is used and removed)
+    python -m benchmarks.backends --part saves|train   # one half only (development)
 
 A time budget (--budget-min, default 14) keeps a busy machine from running for an hour: measurements that would not
 finish in time are skipped and marked in the table.
@@ -45,14 +45,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .backends import BACKENDS, RankInfo, backend_class, make_backend
-from .backends.concurrent import ConcurrentBackend
-from .backends.torchzip import plan_pieces
-from .backends.vanilla import payload_pieces
-from .bench_report import fmt, plot, report
-from .bench_writer import writer_dip
-from .manager import CheckpointManager
-from .state import CheckpointState, ModelState, OptimizerState, RNGState, TrainState
+from checkpoint.backends import BACKENDS, RankInfo, backend_class, make_backend
+from checkpoint.backends.concurrent import ConcurrentBackend
+from checkpoint.backends.torchzip import plan_pieces
+from checkpoint.backends.vanilla import payload_pieces
+from .report import fmt, plot, report
+from .writer_gil import writer_dip
+from checkpoint.manager import CheckpointManager
+from checkpoint.state import CheckpointState, ModelState, OptimizerState, RNGState, TrainState
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -417,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     directory.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))
     fs = subprocess.run(["df", "-hT", str(directory)], capture_output=True, text=True).stdout.splitlines()
-    meta = {"command": "python -m checkpoint.bench" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip(),
+    meta = {"command": "python -m benchmarks.backends"
+                       + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip(),
             "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
             "machine": f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), "
                        f"{mem_available() / GiB:.0f} GiB RAM available at start, torch threads {torch.get_num_threads()}",

@@ -1,6 +1,6 @@
-"""The report of `python -m checkpoint.bench`: markdown tables, the targets check and the PNG, from measured rows.
+"""The report of `python -m benchmarks.backends`: markdown tables, the targets check and the PNG, from measured rows.
 
-Kept apart from the measuring code (bench.py) so a previous run's JSON can be re-rendered (``--replot``) and the
+Kept apart from the measuring code (backends.py) so a previous run's JSON can be re-rendered (``--replot``) and the
 wording of the results changed without touching how they are measured.
 """
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from .bench import Row, TrainRun
+    from .backends import Row, TrainRun
 
 MiB = 1 << 20
 

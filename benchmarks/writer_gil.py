@@ -1,7 +1,7 @@
-"""`make bench`'s GIL question: does a writer THREAD in the training process slow training more than a writer PROCESS?
+"""`make bench-detail`'s GIL question: does a writer THREAD in the training process slow training more than a writer PROCESS?
 
 Both run the same code (``_WRITER``: crc32 + write + fsync in 16 MiB chunks, the concurrent backend's writer loop);
-the thread runs it through ``exec`` so not one line differs. Called by bench.py; the result is the "Writer threads vs
+the thread runs it through ``exec`` so not one line differs. Called by backends.py; the result is the "Writer threads vs
 writer process" table.
 """
 

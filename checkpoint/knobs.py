@@ -1,0 +1,172 @@
+"""Every knob and fault point that only tests (and one operator escape hatch) use: the ONE place that reads them.
+
+The library's behaviour is set by train.py's flags; the environment variables below exist so the test suite and the
+fault-injection harness (tests/faults/) can pace a run, slow a disk, or kill a process at a named moment, from a
+subprocess's environment. Nothing else in ``checkpoint/`` reads a ``PYRECOVER_*`` variable; modules call the accessors
+here. Importing this module is cheap (standard library only, no torch).
+
+Knob (environment variable)                    Read by                              Kind         Accessor
+  What it does
+---------------------------------------------  -----------------------------------  -----------  -------------------
+PYRECOVER_DIRECT_IO=off                        fsio.py                              user-facing  direct_io_disabled()
+  buffered checkpoint writes even where O_DIRECT works (also 0/false/no; default ``auto``). Read at every call.
+PYRECOVER_FAULT=<point>[:<n>[:error]]          fsio.py, layout.py, backends/dcp.py, test-only    fault_point(),
+                                               backends/concurrent.py                            fault_spec()
+  SIGKILL this process the n-th time (default 1st) it reaches fault point <point> (``FAULT_POINTS``); with
+  ``:error`` raise OSError(EIO) there instead. Read once at import (the fault-injection harness, tests/faults/).
+PYRECOVER_STEP_SLEEP=SECONDS                   policy.py (StepBoundary)             test-only    step_sleep_s()
+  sleep that long at every step boundary, so SLURM and signal tests can land a signal or a deadline mid-run with a
+  tiny model. Changes timing only, never the numbers.
+PYRECOVER_TEST_PERSIST_DELAY_S=SECONDS         backends/concurrent.py               test-only    persist_delay_s()
+  each payload file takes that much longer to persist (a slow disk: the CLI tests watch several saves in flight).
+PYRECOVER_LEASE_HEARTBEAT_S=SECONDS            lease.py (HEARTBEAT_S, at import)    test-only    lease_heartbeat_s()
+  how often the lease holder touches its record (default 10).
+PYRECOVER_LEASE_TIMEOUT_S=SECONDS              lease.py (TIMEOUT_S, at import)      test-only    lease_timeout_s()
+  a holder whose heartbeat is older than this counts as dead (default 120).
+PYRECOVER_CRASH_AT_STEP=k[:rank[:MODE]]        train.py                             test-only    crash_at_step(),
+                                                                                                 install_crash_hook()
+  ``rank`` (default 0) dies right after the forward pass of step k (before backward and its all-reduce): MODE
+  ``kill`` (SIGKILL, default), ``raise`` or ``hang``.
+PYRECOVER_PROGRESS=1                           train.py                             test-only    force_progress()
+  plain progress lines even when stderr is not a terminal.
+
+Never set the test-only ones in normal use. The accessors take an optional ``environ`` mapping (default
+``os.environ``) so a test can pass its own.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Mapping
+
+_OFF = ("off", "0", "false", "no")
+
+#: Every fault point the save path reaches, by module (the names PYRECOVER_FAULT takes).
+FAULT_POINTS = {
+    "after_write_before_fsync": "fsio.py: a file's bytes are written, not yet fsynced",
+    "after_fsync_before_rename": "fsio.py: a file is durable under its temporary name",
+    "after_manifest_before_commit": "layout.py: manifest.json written, COMMITTED not yet",
+    "during_retention_delete": "layout.py: retention is deleting an old checkpoint",
+    "between_replace_renames": "layout.py: the old step folder moved to trash, the new one not yet in place",
+    "dcp_write_file": "backends/dcp.py: inside a DCP save, before a file's bytes",
+    "concurrent_persist_begin": "backends/concurrent.py: once per save, as its writer starts",
+    "concurrent_write_chunk": "backends/concurrent.py: before every data chunk",
+    "concurrent_persist_half": "backends/concurrent.py: once per save, halfway through its tensor bytes",
+}
+
+
+def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
+
+
+def _seconds(name: str, default: float, environ: Mapping[str, str] | None) -> float:
+    raw = _env(environ).get(name, "")
+    try:
+        return float(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+
+
+# --- user-facing ------------------------------------------------------------------------------------------------------
+def direct_io_disabled(environ: Mapping[str, str] | None = None) -> bool:
+    """PYRECOVER_DIRECT_IO=off (or 0/false/no): buffered checkpoint writes even where O_DIRECT works. Read per call."""
+    return _env(environ).get("PYRECOVER_DIRECT_IO", "auto").lower() in _OFF
+
+
+# --- test-only: pacing and slow disks ---------------------------------------------------------------------------------
+def step_sleep_s(environ: Mapping[str, str] | None = None) -> float:
+    """PYRECOVER_STEP_SLEEP: seconds to sleep at every step boundary (0 when unset or not a number)."""
+    try:
+        return _seconds("PYRECOVER_STEP_SLEEP", 0.0, environ)
+    except ValueError:
+        return 0.0
+
+
+def persist_delay_s(environ: Mapping[str, str] | None = None) -> float:
+    """PYRECOVER_TEST_PERSIST_DELAY_S: extra seconds per payload file of the concurrent backend (0 when unset)."""
+    return _seconds("PYRECOVER_TEST_PERSIST_DELAY_S", 0.0, environ)
+
+
+def lease_heartbeat_s(environ: Mapping[str, str] | None = None) -> float:
+    """PYRECOVER_LEASE_HEARTBEAT_S: how often the lease holder touches its record (default 10 s)."""
+    return _seconds("PYRECOVER_LEASE_HEARTBEAT_S", 10.0, environ)
+
+
+def lease_timeout_s(environ: Mapping[str, str] | None = None) -> float:
+    """PYRECOVER_LEASE_TIMEOUT_S: a holder whose heartbeat is older than this counts as dead (default 120 s)."""
+    return _seconds("PYRECOVER_LEASE_TIMEOUT_S", 120.0, environ)
+
+
+def crash_at_step(environ: Mapping[str, str] | None = None) -> tuple[int, int, str] | None:
+    """PYRECOVER_CRASH_AT_STEP=k[:rank[:kill|raise|hang]] as (step, rank, mode); rank defaults to 0, mode to "kill".
+    None when unset."""
+    spec = _env(environ).get("PYRECOVER_CRASH_AT_STEP", "")
+    if not spec:
+        return None
+    parts = spec.split(":")
+    mode = parts[2] if len(parts) > 2 and parts[2] else "kill"  # anything but raise/hang kills
+    return int(parts[0]), int(parts[1]) if len(parts) > 1 and parts[1] else 0, mode
+
+
+def force_progress(environ: Mapping[str, str] | None = None) -> bool:
+    """PYRECOVER_PROGRESS=1: train.py prints plain progress lines even when stderr is not a terminal."""
+    return _env(environ).get("PYRECOVER_PROGRESS") == "1"
+
+
+# --- test-only: fault points ------------------------------------------------------------------------------------------
+# Read once, so that a fault point costs one comparison when PYRECOVER_FAULT is unset (it sits in the write loops).
+_FAULT = os.environ.get("PYRECOVER_FAULT", "")
+_FAULT_POINT, _, _FAULT_REST = _FAULT.partition(":")
+_fault_hits: dict[str, int] = {}
+
+
+def fault_spec() -> tuple[str, int, str] | None:
+    """PYRECOVER_FAULT as read at import: (point, n-th hit, action "kill" or "error"); None when unset."""
+    if not _FAULT:
+        return None
+    nth, _, action = _FAULT_REST.partition(":")
+    return _FAULT_POINT, int(nth or 1), "error" if action == "error" else "kill"
+
+
+def fault_point(name: str, where: object = "") -> None:
+    """A named moment of the save path (``FAULT_POINTS``). Does nothing unless PYRECOVER_FAULT names it; then, on its
+    n-th hit, SIGKILLs this process, or raises OSError(EIO) with ``:error``."""
+    if not _FAULT or name != _FAULT_POINT:
+        return
+    nth_str, _, action = _FAULT_REST.partition(":")
+    nth = int(nth_str or 1)
+    _fault_hits[name] = _fault_hits.get(name, 0) + 1
+    if _fault_hits[name] != nth:
+        return
+    if action == "error":
+        raise OSError(errno.EIO, f"injected I/O error at {name}", str(where))
+    import signal
+
+    print(f"[fault] SIGKILL at {name} ({where})", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install_crash_hook(model, rank: int, current_step) -> None:
+    """PYRECOVER_CRASH_AT_STEP (test-only): make ``rank`` die (SIGKILL), raise or hang right after the forward pass of
+    the step given, before backward and its all-reduce -- a peer failure for --jit-checkpoint to survive. ``model``: the unwrapped
+    module; ``current_step()``: the last completed step."""
+    spec = crash_at_step()
+    if spec is None or spec[1] != rank:
+        return
+    at_step, _, mode = spec
+    import signal
+    import time
+
+    def hook(module, inputs, output):  # noqa: ARG001
+        if current_step() + 1 != at_step:
+            return
+        print(f"[crash] rank {rank}: {mode} after the forward pass of step {at_step}", flush=True)
+        if mode == "raise":
+            raise RuntimeError(f"injected crash of rank {rank} at step {at_step}")
+        if mode == "hang":
+            while True:
+                time.sleep(3600)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    model.register_forward_hook(hook)

@@ -1,0 +1,226 @@
+"""The command line of train.py: every flag, and the checks of their values that need nothing loaded.
+
+Also the rules for flags that differ from the checkpoint's on resume (README "Changing flags on resume"): which take
+effect from the resumed step and which are refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+import distributed
+from checkpoint import RunInfo
+from checkpoint import policy as stop_policy
+from checkpoint.walltime import parse_walltime
+from dataset import DEFAULT_TOKENIZER
+from model import PRESETS
+
+class BadInput(Exception):
+    """A user mistake detected before training: one line, exit code 2."""
+
+
+def _signal_flag(text: str) -> str:
+    try:
+        stop_policy.parse_signal(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _walltime_flag(text: str) -> float:
+    try:
+        return parse_walltime(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Pre-train a Llama-style transformer with checkpointing that survives walltime, preemption and "
+        "failures.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+
+    g = p
+
+    def flag(name: str, *more: str, **kw):
+        """Accept both --dash-name and --underscore_name (the reference scripts mix them)."""
+        names = set()
+        for n in (name, *more):
+            body = n[2:]
+            names |= {n, "--" + body.replace("_", "-"), "--" + body.replace("-", "_")}
+        kw.setdefault("dest", name[2:].replace("-", "_"))
+        return g.add_argument(*sorted(names, key=lambda n: ("_" in n, n)), **kw)
+
+    g = p.add_argument_group("data")
+    flag("--dataset", default="data/train_data.parquet", help="parquet file with a `text` column")
+    flag("--tokenizer-name-or-path", default=DEFAULT_TOKENIZER,
+         help="mistral-sp-32k, mistral-tekken, cl100k_base, o200k_base, or a local tokenizer.json / HF tokenizer dir")
+    flag("--sequence-length", type=int, default=128, help="tokens per training sample")
+    flag("--batch-size", type=int, default=8, help="samples per step PER RANK (global batch = batch-size x ranks)")
+    flag("--seed", type=int, default=42, help="seeds model init, data order and every RNG")
+
+    g = p.add_argument_group("model and optimisation")
+    flag("--model", default="small", choices=sorted(PRESETS), help="model preset")
+    flag("--learning-rate", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    flag("--lr-warmup-steps", type=int, default=20, help="linear warm-up steps, then cosine decay to 10%%")
+    flag("--training-steps", type=int, default=300, help="total optimizer steps")
+    flag("--grad-max-norm", type=float, default=1.0, help="clip the global gradient norm to this (0 = off)")
+    flag("--model-dtype", default="fp32", choices=sorted(distributed.DTYPES),
+         help="bf16/fp16: autocast with fp32 weights; fp32/fp64: everything in that dtype")
+    flag("--fused-optimizer", action="store_true", help="use the fused AdamW kernel")
+    flag("--compile", action="store_true", help="torch.compile the model")
+    flag("--use_flash_attention", action="store_true", help="flash-attn kernels (CUDA + flash-attn only; no fallback)")
+
+    g = p.add_argument_group("distributed")
+    flag("--pg-timeout-seconds", type=float, default=None,
+         help="timeout of collectives in the training loop (setup keeps 600 s): how long a hung rank goes unnoticed; "
+              "must exceed the longest blocking save. Default: 600")
+    flag("--distributed", action="store_true", help="data-parallel over torchrun or srun ranks (NCCL on GPU, gloo on CPU)")
+    flag("--parallel", default="ddp", choices=["ddp", "fsdp"],
+         help="with --distributed: ddp (full replicas) or fsdp (FSDP2 fully_shard per transformer block, then the root: "
+              "parameters, gradients and optimizer state sharded over ranks; checkpoints with --checkpoint-backend dcp)")
+
+    g = p.add_argument_group("checkpointing")
+    flag("--checkpoint-dir", default="checkpoints", help="checkpoints go to <checkpoint-dir>/<experiment_name>/step-N/")
+    flag("--experiment_name", "--exp_name", default="default", help="run name (sub-folder of --checkpoint-dir)")
+    flag("--checkpoint-frequency", type=int, default=100, help="save every N steps (0 = only at the end)")
+    flag("--resume-from-checkpoint", default=None, metavar="latest|STEP|PATH",
+         help="resume: `latest` (newest verified checkpoint; starts fresh if there is none), a step, or a path")
+    flag("--checkpoint-backend", default="vanilla", choices=["vanilla", "concurrent", "dcp"],
+         help="how checkpoint bytes are written (concurrent: snapshot to host buffers, persist in the background)")
+    flag("--max-async", type=int, default=2, metavar="N",
+         help="concurrent backend: checkpoints persisting at once (= host buffer sets of the state's size)")
+    flag("--use-torch-distributed-ckpt", action="store_true",
+         help="alias of --checkpoint-backend dcp: torch.distributed.checkpoint, every rank writes its own shard in "
+              "parallel; loads at any world size; the only backend for --parallel fsdp and s3:// checkpoint dirs")
+    flag("--async-checkpoint", nargs="?", const="thread", default=False, choices=["thread", "process"],
+         help="dcp backend: save in the background (dcp.async_save on its own gloo group); training waits only for "
+              "the state copy, right before the next optimizer step; one save in flight. `process` (`thread` when "
+              "given alone): serialize and write in DCP's background save process instead of a thread of the "
+              "training process (no GIL contention; the process starts at the first save)")
+    flag("--max-kept-checkpoints", type=int, default=3, help="keep the newest K committed checkpoints (0 = keep all)")
+    flag("--keep-every", type=int, default=0, help="also keep every checkpoint whose step is a multiple of N")
+    flag("--timeaware-checkpointing", action="store_true", help="save and stop before the SLURM walltime runs out")
+    flag("--force-takeover", action="store_true",
+         help="take the run directory over even if another live run holds it (one writer per run directory; the "
+              "other run is fenced: it can no longer commit or delete anything, and stops)")
+    flag("--on-save-error", default="stop", choices=["stop", "continue"],
+         help="a save that fails (e.g. disk full; the previous checkpoint stays intact and `latest`): stop = exit 1 at "
+              "once; continue = warn, keep training, retry at the next interval (exit 1 if the final save fails)")
+    flag("--jit-checkpoint", action="store_true",
+         help="just-in-time checkpoint: if a rank fails mid-step, a surviving rank saves the last completed step and "
+              "exits with code 3 (requeue); a rerun replays at most one step (see checkpoint/jit.py)")
+
+    g = p.add_argument_group("stopping in time (SLURM): signals, walltime, requeue -- see checkpoint/policy.py")
+    flag("--signal", type=_signal_flag, default="SIGUSR1",
+         help="signal meaning 'save at the next step boundary, stop, requeue' (SLURM's --signal warning; `none` = off); "
+              "SIGTERM is always 'save and stop' (no requeue)")
+    flag("--walltime", type=_walltime_flag, default=None, metavar="[D-]HH:MM:SS",
+         help="with --timeaware-checkpointing: a deadline counted from the start of train.py, for runs without a "
+              "SLURM time limit (under SLURM the job's end time is read from squeue; the earlier one wins)")
+    flag("--walltime-margin-seconds", type=float, default=60.0,
+         help="--timeaware-checkpointing stops when time left < longest save + 3 x step time + this margin")
+    flag("--checkpoint-interval-minutes", type=float, default=0.0,
+         help="also save every N minutes of wall-clock time (0 = off; 10-15 is the usual HPC advice)")
+    flag("--requeue", action=argparse.BooleanOptionalAction, default=None,
+         help="after a signal/walltime stop, `scontrol requeue` the job once the checkpoint has committed "
+              "(default: on in a SLURM job, off in a job array task, whose next task resumes instead)")
+    flag("--max-restarts", type=int, default=100, help="do not requeue once SLURM_RESTART_COUNT reaches this")
+
+    g = p.add_argument_group("logging")
+    flag("--logging-frequency", type=int, default=10, help="progress-bar/log update every N steps")
+    flag("--log-loss-to-csv", nargs="?", const="auto", default=None, metavar="PATH",
+         help="one row per step; default path <checkpoint-dir>/<experiment_name>/loss.csv; appends on resume")
+    flag("--profile", action="store_true", help="record a torch.profiler trace between the profile steps")
+    flag("--profile-step-start", type=int, default=10, help="first profiled step")
+    flag("--profile-step-end", type=int, default=12, help="last profiled step")
+    return p
+
+
+
+# Every numeric flag: (dest, lowest allowed value, whether that value itself is allowed). Floats must also be finite.
+NUMERIC_FLAGS: tuple[tuple[str, float, bool], ...] = (
+    ("sequence_length", 1, True), ("batch_size", 1, True), ("seed", 0, True), ("learning_rate", 0, False),
+    ("lr_warmup_steps", 0, True), ("training_steps", 1, True), ("grad_max_norm", 0, True),
+    ("pg_timeout_seconds", 0, False), ("checkpoint_frequency", 0, True), ("max_async", 1, True),
+    ("max_kept_checkpoints", 0, True), ("keep_every", 0, True), ("walltime_margin_seconds", 0, True),
+    ("checkpoint_interval_minutes", 0, True), ("max_restarts", 0, True), ("logging_frequency", 1, True),
+    ("profile_step_start", 1, True), ("profile_step_end", 1, True),
+)
+
+
+def check_numeric_flags(args: argparse.Namespace) -> None:
+    """Refuse a non-finite or out-of-range number in one line, before anything is loaded."""
+    for dest, lowest, inclusive in NUMERIC_FLAGS:
+        value = getattr(args, dest, None)
+        if value is None:  # optional flag not given (e.g. --pg-timeout-seconds)
+            continue
+        flag = "--" + dest.replace("_", "-")
+        need = f"{'>=' if inclusive else '>'} {lowest:g}"
+        if isinstance(value, float) and not math.isfinite(value):
+            raise BadInput(f"{flag} {value} is not a finite number; give a number {need}")
+        if value < lowest or (value == lowest and not inclusive):
+            raise BadInput(f"{flag} {value:g} is out of range; give a number {need}")
+    if args.seed >= 2**63:
+        raise BadInput(f"--seed {args.seed} is too large; give a number below 2**63")
+    if args.profile and args.profile_step_end < args.profile_step_start:
+        raise BadInput(f"--profile-step-end {args.profile_step_end} is before --profile-step-start "
+                       f"{args.profile_step_start}; give an end step >= the start step")
+
+
+# Flags that may differ from the checkpoint's on resume (README "Changing flags on resume"). APPLIED: they take effect
+# from the resumed step on, each named in one line. REFUSED (with why): the checkpoint's weights, data position and RNG
+# were made with the saved value, so a new one could not apply -- exit 2 instead of a half-applied run.
+RESUME_APPLIED = ("learning_rate", "lr_warmup_steps", "training_steps", "grad_max_norm", "fused_optimizer", "compile",
+                  "batch_size")
+RESUME_REFUSED = (("model", "the weights are that model's"),
+                  ("tokenizer_name_or_path", "the embeddings and the data position are that tokenizer's"),
+                  ("sequence_length", "the data position counts windows of that length"),
+                  ("seed", "the data order and every RNG continue from the checkpoint"),
+                  ("model_dtype", "the weights and optimizer state were trained in it"))
+
+
+def apply_resume_flags(args: argparse.Namespace, run_info: RunInfo, step: int | None,
+                       optimizer: torch.optim.Optimizer, scheduler) -> list[str]:
+    """Compare the flags with the ones the loaded checkpoint was saved with (``run_info.saved``, the same on every rank):
+    raise BadInput for a refused difference, apply the others and return one 'resume: applying' line each. Nothing
+    differs: nothing is touched (the resumed run stays bitwise an uninterrupted one). ``step`` None: a load that failed
+    part-way, only the refusals are checked (run_info loads first, so another --model is named, not its tensor shapes)."""
+    saved = getattr(run_info, "saved", {}).get("config", {})
+    shown = lambda v: ("on" if v else "off") if isinstance(v, bool) else v  # noqa: E731
+    flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
+    for key, why in RESUME_REFUSED:
+        if key in saved and saved[key] != getattr(args, key):
+            raise BadInput(f"{flag(key)} {shown(getattr(args, key))} differs from the checkpoint's {shown(saved[key])} "
+                           f"and cannot change on resume ({why}); resume with {flag(key)} {shown(saved[key])}, or "
+                           f"start a new --experiment_name")
+    if step is None:
+        return []
+    if args.training_steps < step:
+        raise BadInput(f"checkpoint is at step {step} but --training-steps {args.training_steps} ends before it; pass "
+                       f"--training-steps {step} or more, or start a new --experiment_name")
+    changed = [k for k in RESUME_APPLIED if k in saved and saved[k] != getattr(args, k)]
+    if {"learning_rate", "lr_warmup_steps", "training_steps"} & set(changed):
+        # LambdaLR's state restored the old base lr and the optimizer the old step's lr; the lambda is the current
+        # flags'. Set both so step s runs at learning_rate * lambda(s), as a fresh run with these flags would.
+        scheduler.base_lrs = [args.learning_rate] * len(optimizer.param_groups)
+        for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+            group["initial_lr"] = args.learning_rate
+            group["lr"] = args.learning_rate * factor(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
+    if "fused_optimizer" in changed:  # the loaded param groups carry the saved run's choice
+        for group in optimizer.param_groups:
+            group["fused"] = True if args.fused_optimizer else None
+    return [f"resume: applying {flag(k)} {shown(getattr(args, k))} (checkpoint had {shown(saved[k])})" for k in changed]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    if args.use_torch_distributed_ckpt:  # the reference scripts' alias
+        args.checkpoint_backend = "dcp"
+    return args

@@ -1,0 +1,164 @@
+"""What a run reports, step by step: progress (a bar on a terminal, plain lines in a batch log), the loss CSV, MFU,
+the recovery time of a resume, the profiler trace -- and the repair of a loss-CSV row that a dead rank 0 never wrote."""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from checkpoint import knobs
+from checkpoint.fsio import fsync_dir
+
+
+def process_age_s(fallback_start: float) -> float:
+    """Seconds since this process started (Linux /proc), so the interpreter's start-up before our first line counts."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return float(Path("/proc/uptime").read_text().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - fallback_start
+
+
+class LossCSV:
+    """One row per step. At start the file is rewritten with the rows up to the step the run continues from (0 for a
+    fresh start; later rows belong to work that was lost and will be redone), so it ends up with every step exactly
+    once. The rewrite is a new file renamed over the old one, never a truncation: a fenced stale incarnation that still
+    appends to the old file writes into an unlinked inode, not into this run's log."""
+
+    FIELDS = ["step", "loss", "lr", "tokens_seen", "wall_time", "restart"]
+
+    def __init__(self, path: Path, resumed_step: int | None):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rows = []
+        if path.exists():
+            with open(path, newline="") as f:
+                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= (resumed_step or 0)]
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, self.FIELDS)
+            w.writeheader()
+            w.writerows(rows)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+        self.file = open(path, "a", newline="")
+        self.writer = csv.DictWriter(self.file, self.FIELDS)
+
+    def row(self, **values) -> None:
+        self.writer.writerow(values)
+        self.file.flush()
+
+    def sync(self) -> None:
+        """Make rows durable up to a checkpoint: a resume must never find fewer rows than the step it resumes."""
+        os.fsync(self.file.fileno())
+        fsync_dir(self.path.parent)
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of the GPU, for MFU. None on CPU or an unknown GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in (("H100", 989e12), ("GH200", 989e12), ("H200", 989e12), ("A100", 312e12), ("L40", 181e12),
+                       ("A10", 125e12), ("V100", 125e12)):
+        if key in name:
+            return flops
+    return None
+
+
+class Metrics:
+    """Every rank keeps the row of the last completed step (a just-in-time save by a survivor needs it); rank 0 writes
+    the CSV and the progress. ``imports`` = (monotonic time the heavy imports began, ended), for the recovery line."""
+
+    def __init__(self, *, writer: bool, csv_path: Path | None, resumed_step: int | None = None, start_step: int = 0,
+                 total_steps: int = 0, every: int = 1, tokens_per_step: int = 0, flops_per_token: float = 0.0,
+                 peak_flops: float | None = None, world_size: int = 1, imports: tuple[float, float] = (0.0, 0.0),
+                 profiler=None, log: Callable[[str], None] = print):
+        self.writer, self.csv_path, self.resumed_step = writer, csv_path, resumed_step
+        self.total_steps, self.every, self.world_size = total_steps, every, world_size
+        self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, peak_flops
+        self.imports, self.profiler, self.log = imports, profiler, log
+        self.csv = LossCSV(csv_path, resumed_step) if (csv_path and writer) else None
+        self.last_loss = float("nan")
+        self._row: dict | None = None
+        self._t_loop = time.monotonic()
+        self._load_s = 0.0
+        self.progress = None
+        if writer:
+            from tqdm import tqdm
+
+            self.progress = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
+                                 disable=not sys.stderr.isatty() and not knobs.force_progress())
+
+    def start(self, load_s: float) -> None:
+        """The loop begins (what a restart cost is measured up to the end of the first step after this)."""
+        self._t_loop, self._load_s = time.monotonic(), load_s
+        if self.profiler is not None:
+            self.profiler.start()
+
+    def step(self, step: int, loss: float, lr: float, grad_norm, step_s: float, tokens_seen: int, restarts: int) -> None:
+        self.last_loss = loss
+        self._row = {"step": step, "loss": repr(loss), "lr": repr(lr), "tokens_seen": tokens_seen, "restart": restarts}
+        if self.writer and self.resumed_step is not None and step == self.resumed_step + 1:
+            self.log(self.recovery_line())  # what the restart cost (README: recovery)
+        if self.csv:
+            self.csv.row(**self._row, wall_time=f"{time.time():.3f}")
+        if self.progress is not None and (step % self.every == 0 or step == self.total_steps):
+            tok_s = self.tokens_per_step / step_s
+            postfix = {"loss": f"{loss:.4f}", "tok/s": f"{tok_s:,.0f}", "step_s": f"{step_s:.3f}"}
+            if grad_norm is not None:
+                postfix["gnorm"] = f"{float(grad_norm):.2f}"
+            if self.peak_flops:
+                postfix["mfu"] = f"{100 * self.flops_per_token * tok_s / self.world_size / self.peak_flops:.1f}%"
+            self.progress.set_postfix(postfix, refresh=False)
+            self.progress.update(step - self.progress.n)
+            if self.progress.disable:  # not a terminal (batch job log): plain lines instead of a bar
+                self.log(f"step {step}/{self.total_steps} " + " ".join(f"{k} {v}" for k, v in postfix.items()))
+        if self.profiler is not None:
+            self.profiler.step()
+
+    def recovery_line(self) -> str:
+        """What a restart cost this rank, from its process start to the end of its first step after the resume."""
+        t_imports, t_imported = self.imports
+        now, total = time.monotonic(), process_age_s(t_imports)
+        return (f"recovery: first step after resume {total:.2f}s after process start (python start-up "
+                f"{max(0.0, total - (now - t_imports)):.2f}s, imports {t_imported - t_imports:.2f}s, setup "
+                f"{self._t_loop - t_imported - self._load_s:.2f}s, checkpoint load {self._load_s:.2f}s, first step "
+                f"{now - self._t_loop:.2f}s)")
+
+    def sync(self) -> None:
+        """Before a save: the rows up to it are durable (a resume must never find fewer rows than its step)."""
+        if self.csv:
+            self.csv.sync()
+
+    def ensure_logged(self, step: int) -> None:
+        """A survivor's just-in-time save of ``step`` (jit.py): if rank 0 died before writing that step's row, append
+        it, so the CSV still has every step exactly once."""
+        if self.csv_path is None or not self.csv_path.exists():
+            return
+        if self._row is None or int(self._row["step"]) != step:
+            self.log(f"jit: the loss of step {step} is unknown here; the loss CSV may lack that row")
+            return
+        with open(self.csv_path, newline="") as f:
+            steps = [int(r["step"]) for r in csv.DictReader(f) if (r.get("step") or "").isdigit()]
+        if steps and max(steps) >= step:
+            return
+        with open(self.csv_path, "a", newline="") as f:
+            csv.DictWriter(f, LossCSV.FIELDS).writerow({**self._row, "wall_time": f"{time.time():.3f}"})
+            f.flush()
+            os.fsync(f.fileno())
+        self.log(f"jit: appended the loss of step {step} to {self.csv_path} (rank 0 did not live to write it)")
+
+    def close(self) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
+        if self.progress is not None:
+            self.progress.close()
