@@ -129,10 +129,11 @@ class Metrics:
         """What a restart cost this rank, from its process start to the end of its first step after the resume."""
         t_imports, t_imported = self.imports
         now, total = time.monotonic(), process_age_s(t_imports)
-        return (f"recovery: first step after resume {total:.2f}s after process start (python start-up "
-                f"{max(0.0, total - (now - t_imports)):.2f}s, imports {t_imported - t_imports:.2f}s, setup "
-                f"{self._t_loop - t_imported - self._load_s:.2f}s, checkpoint load {self._load_s:.2f}s, first step "
-                f"{now - self._t_loop:.2f}s)")
+        parts = {"python start-up": max(0.0, total - (now - t_imports)), "imports": t_imported - t_imports,
+                 "setup": self._t_loop - t_imported - self._load_s, "checkpoint load": self._load_s,
+                 "first step": now - self._t_loop}
+        return (f"recovery: first step after resume {total:.2f}s after process start ("
+                + ", ".join(f"{name} {s:.2f}s" for name, s in parts.items()) + ")")
 
     def sync(self) -> None:
         """Before a save: the rows up to it are durable (a resume must never find fewer rows than its step)."""

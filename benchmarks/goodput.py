@@ -315,6 +315,11 @@ def f(x, digits: int = 2) -> str:
     return "–" if x is None or (isinstance(x, float) and x != x) else f"{x:.{digits}f}"
 
 
+def row(*cells) -> str:
+    """One markdown table row."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
 def machine() -> dict:
     import torch
 
@@ -383,7 +388,6 @@ def render(res: dict) -> str:
             cal = c["calibration"]
             lines.append(f"| {name} | {f(c['delta_s'], 3)} | {f(cal['persist_s'], 3)} | {f(c['tau_yd_s'], 1)} | "
                          f"{f(c['tau_s'], 1)} | {c['every']} |")
-    cal_any = next((c["calibration"] for c in res["configs"].values() if c.get("calibration")), None)
     lines += ["", f"## Calibration (failure-free, {a['calib_steps']} steps, a save every {a['calib_every']} steps)", "",
               f"Step time = mean over the rows after step {a['calib_every'] + 1} (t0 too): the first save and the "
               "step absorbing it are left out, since one-off costs of a start's first save (allocating host buffers, "
@@ -397,9 +401,8 @@ def render(res: dict) -> str:
     for name, c in res["configs"].items():
         cal = c.get("calibration")
         if cal:
-            lines.append(f"| {name} | {f(cal['step_s'], 3)} | {f(cal['save_cost_s'], 3)} | {f(cal['blocked_s'], 3)} | "
-                         f"{f(cal['persist_s'], 3)} | {f(cal['startup_s'], 1)} | {f(cal['finish_s'], 1)} | "
-                         f"{cal['saves']} |")
+            lines.append(row(name, *(f(cal[k], 3) for k in ("step_s", "save_cost_s", "blocked_s", "persist_s")),
+                             f(cal["startup_s"], 1), f(cal["finish_s"], 1), cal["saves"]))
         elif c["status"] != "ok":
             lines.append(f"| {name} | {c['status']} | | | | | | |")
     lines += ["", "## Model vs measured", "",
@@ -417,9 +420,9 @@ def render(res: dict) -> str:
     for name, c in res["configs"].items():
         r = c.get("run")
         if r:
-            lines.append(f"| {name} | {f(r['goodput'], 3)} | {f(r['model_nominal'], 3)} | {f(r['model_realised'], 3)} "
-                         f"| {f(r['overhead_fraction'], 3)} | {f(r['startup_fraction'], 3)} | {f(r['per_kill_s'], 1)} | "
-                         f"{f(r['lost_per_kill_s'], 1)} / {f(r['lost_per_kill_expected_s'], 1)} |")
+            lines.append(row(name, *(f(r[k], 3) for k in ("goodput", "model_nominal", "model_realised",
+                                                           "overhead_fraction", "startup_fraction")),
+                             f(r["per_kill_s"], 1), f"{f(r['lost_per_kill_s'], 1)} / {f(r['lost_per_kill_expected_s'], 1)}"))
     lines += ["", "## Projection (long job: S / (N t0) → 0)", "",
               "From the measured t0, save cost, delta, P and R (mean complete restart), with L = interval × t / 2 + P: "
               "at the measured run's interval, and at Young/Daly's interval for that MTBF.", "",

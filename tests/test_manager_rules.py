@@ -81,6 +81,19 @@ def _wait(event: threading.Event, what: str) -> None:
         raise AssertionError(f"test bug: {what} never happened")
 
 
+def _in_thread(fn) -> tuple[threading.Thread, threading.Event]:
+    """Run ``fn`` in a daemon thread; the Event is set once it returned."""
+    returned = threading.Event()
+
+    def run():
+        fn()
+        returned.set()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, returned
+
+
 def _torch_bytes(obj) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -479,14 +492,7 @@ def test_wait_staged_blocks_until_every_save_in_flight_is_staged(root, make_mana
     g3 = m.backend.gate(3, staged=False)
     h2 = m.save(2, make_state(2))
     h3 = m.save(3, make_state(3))
-    returned = threading.Event()
-
-    def staged_waiter():
-        m.wait_staged()
-        returned.set()
-
-    t = threading.Thread(target=staged_waiter, daemon=True)
-    t.start()
+    t, returned = _in_thread(m.wait_staged)
     _wait(g2.entered_staged, "wait_staged asking step 2")
     assert not returned.is_set()
     g2.staged.set()
@@ -510,14 +516,7 @@ def test_close_waits_for_everything_in_flight_then_closes_the_backend(root, make
     gates = [m.backend.gate(s) for s in (1, 2)]
     for s in (1, 2):
         m.save(s, make_state(s))
-    closed = threading.Event()
-
-    def closer():
-        m.close()
-        closed.set()
-
-    t = threading.Thread(target=closer, daemon=True)
-    t.start()
+    t, closed = _in_thread(m.close)
     t.join(0.05)  # a bounded look, not a synchronisation: close cannot return while the saves are gated
     assert not closed.is_set() and not m.backend.closed
     for g in gates:
