@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import slurm
+from checkpoint.backends.base import RankInfo
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -25,17 +26,13 @@ class LaunchError(Exception):
 
 
 @dataclass(frozen=True)
-class DistEnv:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
+class DistEnv(RankInfo):
+    """This process's place in the job (the checkpoint package's RankInfo: rank, world size, local rank) and what runs
+    it: device, process-group backend, launcher."""
+
     device: torch.device = torch.device("cpu")
     backend: str | None = None  # None = single process, no process group
     launcher: str = "none"
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
     @property
     def distributed(self) -> bool:

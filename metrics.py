@@ -4,16 +4,19 @@ the recovery time of a resume, the profiler trace -- and the repair of a loss-CS
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from checkpoint import knobs
+from checkpoint.logs import EVERY_RANK
 from checkpoint.fsio import fsync_dir
+
+_log = logging.getLogger("pyrecover.metrics")
 
 
 def process_age_s(fallback_start: float) -> float:
@@ -81,11 +84,11 @@ class Metrics:
     def __init__(self, *, writer: bool, csv_path: Path | None, resumed_step: int | None = None, start_step: int = 0,
                  total_steps: int = 0, every: int = 1, tokens_per_step: int = 0, flops_per_token: float = 0.0,
                  peak_flops: float | None = None, world_size: int = 1, imports: tuple[float, float] = (0.0, 0.0),
-                 profiler=None, log: Callable[[str], None] = print):
+                 profiler=None):
         self.writer, self.csv_path, self.resumed_step = writer, csv_path, resumed_step
         self.total_steps, self.every, self.world_size = total_steps, every, world_size
         self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, peak_flops
-        self.imports, self.profiler, self.log = imports, profiler, log
+        self.imports, self.profiler = imports, profiler
         self.csv = LossCSV(csv_path, resumed_step) if (csv_path and writer) else None
         self.last_loss = float("nan")
         self._row: dict | None = None
@@ -108,7 +111,7 @@ class Metrics:
         self.last_loss = loss
         self._row = {"step": step, "loss": repr(loss), "lr": repr(lr), "tokens_seen": tokens_seen, "restart": restarts}
         if self.writer and self.resumed_step is not None and step == self.resumed_step + 1:
-            self.log(self.recovery_line())  # what the restart cost (README: recovery)
+            _log.info(self.recovery_line())  # what the restart cost (README: recovery)
         if self.csv:
             self.csv.row(**self._row, wall_time=f"{time.time():.3f}")
         if self.progress is not None and (step % self.every == 0 or step == self.total_steps):
@@ -121,7 +124,7 @@ class Metrics:
             self.progress.set_postfix(postfix, refresh=False)
             self.progress.update(step - self.progress.n)
             if self.progress.disable:  # not a terminal (batch job log): plain lines instead of a bar
-                self.log(f"step {step}/{self.total_steps} " + " ".join(f"{k} {v}" for k, v in postfix.items()))
+                _log.info(f"step {step}/{self.total_steps} " + " ".join(f"{k} {v}" for k, v in postfix.items()))
         if self.profiler is not None:
             self.profiler.step()
 
@@ -146,7 +149,7 @@ class Metrics:
         if self.csv_path is None or not self.csv_path.exists():
             return
         if self._row is None or int(self._row["step"]) != step:
-            self.log(f"jit: the loss of step {step} is unknown here; the loss CSV may lack that row")
+            _log.info(f"jit: the loss of step {step} is unknown here; the loss CSV may lack that row", extra=EVERY_RANK)
             return
         with open(self.csv_path, newline="") as f:
             steps = [int(r["step"]) for r in csv.DictReader(f) if (r.get("step") or "").isdigit()]
@@ -156,7 +159,8 @@ class Metrics:
             csv.DictWriter(f, LossCSV.FIELDS).writerow({**self._row, "wall_time": f"{time.time():.3f}"})
             f.flush()
             os.fsync(f.fileno())
-        self.log(f"jit: appended the loss of step {step} to {self.csv_path} (rank 0 did not live to write it)")
+        _log.info(f"jit: appended the loss of step {step} to {self.csv_path} (rank 0 did not live to write it)",
+                  extra=EVERY_RANK)
 
     def close(self) -> None:
         if self.profiler is not None:

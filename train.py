@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import math
 import os
 import random
@@ -42,8 +43,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import distributed
-from checkpoint import (CheckpointError, CheckpointManager, CheckpointState, ModelState, OptimizerState, RankInfo,
-                        RNGState, RunInfo, TrainState, knobs, layout, make_backend, storage)
+from checkpoint import (CheckpointError, CheckpointManager, CheckpointState, ModelState, OptimizerState,
+                        RNGState, RunInfo, TrainState, knobs, layout, logs, make_backend, storage)
 from checkpoint import lease as run_lease
 from checkpoint import policy as stop_policy
 from checkpoint.backends import capabilities, check_combination
@@ -55,6 +56,7 @@ from metrics import Metrics, device_peak_flops
 from model import MemoryEstimate, Transformer, estimate_peak_memory, flash_attention_problem, get_config
 
 _T_IMPORTED = time.monotonic()
+log = logging.getLogger("pyrecover")  # rank 0's lines; extra=logs.EVERY_RANK for every rank's (checkpoint/logs.py)
 
 __version__ = "0.1.0"
 
@@ -88,16 +90,6 @@ def exit_code(error: BaseException) -> int:
 def say(line: str) -> None:
     """An error or warning line from any rank, to stderr."""
     print(line, file=sys.stderr, flush=True)
-
-
-def log(msg: str) -> None:
-    """A progress line from any rank, to stdout."""
-    print(msg, flush=True)
-
-
-def log0(env: distributed.DistEnv, msg: str) -> None:
-    if env.is_main:
-        log(msg)
 
 
 def seed_everything(seed: int) -> None:
@@ -141,13 +133,13 @@ def preflight(args: argparse.Namespace, env: distributed.DistEnv) -> Checked:
     check_combination(args.checkpoint_backend, sharded=args.distributed and args.parallel == "fsdp",
                       checkpoint_dir=args.checkpoint_dir, async_save=args.async_checkpoint, jit=args.jit_checkpoint)
     run_root = storage.as_path(args.checkpoint_dir) / args.experiment_name
-    backend = make_backend(args.checkpoint_backend, RankInfo(env.rank, env.world_size, env.local_rank),
+    backend = make_backend(args.checkpoint_backend, env,
                            **backend_options(args, env))
     lease = None
     if env.is_main:
         layout.ensure_writable(run_root)  # fail now, not at the first save hours from now
         if not storage.is_remote(run_root):  # one writer per run directory (checkpoint/lease.py)
-            lease = run_lease.acquire(run_root, force=args.force_takeover, log=log)
+            lease = run_lease.acquire(run_root, force=args.force_takeover)
     return Checked(tokenizer, windows, config, run_root, backend, lease)
 
 
@@ -171,7 +163,7 @@ def check_inputs(args: argparse.Namespace, env: distributed.DistEnv):
 
 def backend_options(args: argparse.Namespace, env: distributed.DistEnv) -> dict:
     if args.checkpoint_backend == "concurrent":
-        return {"max_async": args.max_async, "log": lambda m: log0(env, m)}
+        return {"max_async": args.max_async}
     if args.checkpoint_backend == "dcp":
         return {"async_save": args.async_checkpoint}
     return {}
@@ -240,7 +232,7 @@ class Run:
 
 def build_run(args: argparse.Namespace, env: distributed.DistEnv, checked: Checked) -> Run:
     estimate = memory_estimate(args, env, checked.config)  # checked against the device's memory in preflight
-    log0(env, f"memory estimate: {estimate.describe()} per rank on {env.device.type}")
+    log.info(f"memory estimate: {estimate.describe()} per rank on {env.device.type}")
     # Every save takes its state dicts through DCP's state_dict helpers: import them before the memory baseline, so
     # the module memory they bring is not counted as training memory (they are not needed before the first step).
     import torch.distributed.checkpoint.state_dict  # noqa: F401
@@ -347,9 +339,9 @@ def build_checkpointing(args: argparse.Namespace, run: Run, checked: Checked, si
         lease = run_lease.Lease(checked.run_root, run_id[1])
     if lease is not None and env.is_main:
         lease.start_heartbeat()
-    manager = CheckpointManager(checked.run_root, checked.backend, RankInfo(env.rank, env.world_size, env.local_rank),
+    manager = CheckpointManager(checked.run_root, checked.backend, env,
                                 run_id=run_id[0], keep=args.max_kept_checkpoints, keep_every=args.keep_every,
-                                lease=lease, log=lambda m: log0(env, m))
+                                lease=lease)
 
     # Crashed incarnations' leftovers go, `latest` (or the given step) is loaded, and newer checkpoints of a line the
     # run no longer follows are moved aside, so a later `latest` cannot jump back to them.
@@ -364,13 +356,13 @@ def build_checkpointing(args: argparse.Namespace, run: Run, checked: Checked, si
         reconcile(None)  # run_info loads first: a refused flag (another --model, ...) explains the failure best
         raise BadInput(str(e)) from None
     if args.resume_from_checkpoint and step is None:
-        log0(env, f"no checkpoint found in {checked.run_root}; starting fresh from step 0")
+        log.info(f"no checkpoint found in {checked.run_root}; starting fresh from step 0")
     elif step is not None:
         run.train.restarts += 1
         for line in applied + [f"warning: resumed run differs from the checkpoint: {d}" for d in run_info.differences(())]:
-            log0(env, line)  # the differences: world size, torch version
+            log.info(line)  # the differences: world size, torch version
     policy = stop_policy.from_args(args, rank=env.rank, agree=lambda v: distributed.all_reduce_max(v, env),
-                                   signals=signals, log=log, save_history=manager.history, start=started,
+                                   signals=signals, save_history=manager.history, start=started,
                                    fenced=(lambda: manager.fenced) if env.is_main else None)
     return Checkpointing(args, env, manager, state, lease, step, policy)
 
@@ -388,22 +380,22 @@ def build_metrics(args: argparse.Namespace, run: Run, ckpt: Checkpointing, token
             active=max(1, args.profile_step_end - args.profile_step_start + 1), repeat=1),
             on_trace_ready=torch.profiler.tensorboard_trace_handler(str(log_dir / "profile")))
     env, model = run.env, unwrap_model(run.model)
-    log0(env, f"model {args.model}: {model.num_params() / 1e6:.1f}M params | {env.world_size} rank(s) on "
+    log.info(f"model {args.model}: {model.num_params() / 1e6:.1f}M params | {env.world_size} rank(s) on "
               f"{env.device.type} ({env.backend or 'single process'}) | {len(run.loader.windows)} samples of "
               f"{args.sequence_length} tokens | tokenizer {tokenizer.name} | global batch {run.tokens_per_step} tokens")
     return Metrics(writer=env.is_main, csv_path=csv_path, resumed_step=ckpt.resumed_step, start_step=run.train.step,
                    total_steps=args.training_steps, every=args.logging_frequency, tokens_per_step=run.tokens_per_step,
                    flops_per_token=model.flops_per_token(args.sequence_length), peak_flops=device_peak_flops(env.device),
-                   world_size=env.world_size, imports=(_T_IMPORTS, _T_IMPORTED), profiler=profiler, log=log)
+                   world_size=env.world_size, imports=(_T_IMPORTS, _T_IMPORTED), profiler=profiler)
 
 
 def build_jit(args: argparse.Namespace, run: Run, ckpt: Checkpointing, metrics: Metrics) -> NoJIT:
     """--jit-checkpoint: a surviving rank saves the last completed step when a peer fails (checkpoint/jit.py)."""
     if not args.jit_checkpoint:
         return NoJIT()
-    log(f"jit: just-in-time checkpointing on (rank {run.env.rank})")
+    log.info(f"jit: just-in-time checkpointing on (rank {run.env.rank})", extra=logs.EVERY_RANK)
     return JustInTime(ckpt.manager, ckpt.state, reseed=lambda r: seed_everything(args.seed + r),
-                      ensure_logged=metrics.ensure_logged, log=log)
+                      ensure_logged=metrics.ensure_logged)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -457,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
 def train(args: argparse.Namespace, signals: stop_policy.SignalWatcher, started: float) -> int:
     t_start = time.perf_counter()
     env = distributed.init(args.distributed)
+    logs.setup(env.rank)
     # Bad input is found on every rank before any collective; then the ranks agree, so none waits for another.
     checked, error = None, None
     try:
@@ -523,15 +516,15 @@ def finish(args: argparse.Namespace, run: Run, ckpt: Checkpointing, metrics: Met
     env = run.env
     if env.distributed and args.parallel == "ddp":
         same = distributed.replicas_identical(run.model, env)
-        log0(env, f"replica check: parameters {'identical' if same else 'DIFFER'} across {env.world_size} ranks")
+        log.info(f"replica check: parameters {'identical' if same else 'DIFFER'} across {env.world_size} ranks")
         if not same:
             return EXIT_FAILED
     metrics.close()
-    log0(env, f"done: {run.train.step} steps, final loss {metrics.last_loss:.4f}, {loop_s:.1f}s in the loop")
+    log.info(f"done: {run.train.step} steps, final loss {metrics.last_loss:.4f}, {loop_s:.1f}s in the loop")
     measured = run.memory.peak_growth()
-    log0(env, f"memory measured: {measured / 2**20:,.1f} MiB peak on rank 0 ({run.memory.describe()}); estimate "
+    log.info(f"memory measured: {measured / 2**20:,.1f} MiB peak on rank 0 ({run.memory.describe()}); estimate "
               f"{run.estimate.total / 2**20:,.1f} MiB ({100 * (run.estimate.total / max(measured, 1) - 1):+.1f}%)")
-    log0(env, ckpt.manager.summary(run_s))
+    log.info(ckpt.manager.summary(run_s))
     outcome = ckpt.policy.finish(run.train.step, args.training_steps)  # a stop before the end: rank 0 requeues
     distributed.shutdown(env)
     _KEEP_UNTIL_EXIT.append(run.model)  # see __main__: freeing DDP's reducer here can hang the process

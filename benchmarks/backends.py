@@ -247,7 +247,7 @@ def measure_backend(label: str, factory, sets: int, state: CheckpointState, root
         row.note = f"skipped: {type(e).__name__}: {e}"
         return row
     prewarm(backend, state, max(1, min(sets, burst or 1)) if sets else 0)
-    manager = CheckpointManager(root, backend, rank, run_id="bench", keep=0, log=lambda m: None)
+    manager = CheckpointManager(root, backend, rank, run_id="bench", keep=0)
     step = 0
     stalls, calls, durables = [], [], []
     for _ in range(saves):
@@ -282,7 +282,7 @@ def measure_backend(label: str, factory, sets: int, state: CheckpointState, root
     manager.close()
     gc.collect()
     t0 = time.perf_counter()
-    loader = CheckpointManager(root, make_backend("vanilla", rank), rank, run_id="bench-load", log=lambda m: None)
+    loader = CheckpointManager(root, make_backend("vanilla", rank), rank, run_id="bench-load")
     loader.load(str(step), state)
     row.load_s = time.perf_counter() - t0
     shutil.rmtree(root, ignore_errors=True)

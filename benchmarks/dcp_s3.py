@@ -87,7 +87,7 @@ def worker(sizes: list[int], roots: list[str], repeats: int, out: str) -> None:
                 root = storage.as_path(where) / f"{backend_name}-{mode}-{size}"
                 options = {"async_save": async_save} if backend_name == "dcp" else {}
                 manager = CheckpointManager(root, make_backend(backend_name, rank, **options), rank, run_id="bench",
-                                            keep=1, log=lambda m: None)
+                                            keep=1)
                 blocked, total = [], []
                 for step in range(1, repeats + 1):
                     dist.barrier()
@@ -104,8 +104,7 @@ def worker(sizes: list[int], roots: list[str], repeats: int, out: str) -> None:
                 dist.barrier()
                 loads = []
                 for _ in range(repeats):
-                    loader = CheckpointManager(root, make_backend(backend_name, rank), rank, run_id="bench",
-                                               log=lambda m: None)
+                    loader = CheckpointManager(root, make_backend(backend_name, rank), rank, run_id="bench")
                     dist.barrier()
                     t0 = time.perf_counter()
                     loader.load("latest", state)

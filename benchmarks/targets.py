@@ -137,7 +137,7 @@ def bench_bytes(folder: Path, gib: float, repeats: int) -> dict:
     view = memoryview(dst_mm)[:nbytes]
     rows: dict[str, list] = {k: [] for k in ("memcpy", "xxh3", "o_direct", "buffered", "concurrent", "vanilla", "load",
                                              "o_direct_read")}
-    conc = ConcurrentBackend(RankInfo(), max_async=1, log=lambda m: None)
+    conc = ConcurrentBackend(RankInfo(), max_async=1)
     van = VanillaBackend(RankInfo())
     for r in range(repeats):
         rows["memcpy"].append(timed(lambda: np.copyto(dst, src)))

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import layout, storage
+from . import layout, logs, storage
 from .errors import CheckpointError
 from .reader import read_section
 
@@ -33,7 +33,7 @@ def cmd_list(path: Path) -> int:
     infos = layout.list_checkpoints(path)
     if not infos:
         raise CheckpointError(f"no checkpoints under {path} (expected an experiment folder holding step-N folders)")
-    latest = layout.resolve(path, "latest", warn=lambda m: None)
+    latest = layout.resolve(path, "latest", quiet=True)
     print(f"{'step':>10}  {'size MiB':>9}  {'backend':<10} {'ranks':>5}  status")
     for info in infos:
         status, backend, ranks = "uncommitted (interrupted save)", "-", "-"
@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("src", help="step folder, or experiment folder (its latest)")
     conv.add_argument("dst", help="experiment folder (result: DST/step-N) or a step-N folder")
     conv.add_argument("--to", required=True, choices=["vanilla", "dcp"])
+    logs.setup()  # e.g. convert's line
     try:
         args = p.parse_args(argv)  # inside: an s3:// path without a bucket is a CheckpointError too
         if args.cmd == "convert":

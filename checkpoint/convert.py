@@ -11,10 +11,13 @@ converted checkpoint continues exactly like one resumed from the source. The res
 
 from __future__ import annotations
 
+import logging
 from . import layout, storage
 from .backends import BACKENDS, backend_class
 from .errors import CheckpointError
 from .reader import locate, section_reader
+
+_log = logging.getLogger(__name__)
 
 FORMATS = ("vanilla", "dcp")
 _TENSOR_SECTIONS = ("model", "optimizer")
@@ -27,7 +30,7 @@ def _is_tensor_payload(name: str, backend: str) -> bool:
     return name in ("model.pt", "optimizer.pt")
 
 
-def convert(src, dst, to: str, log=print):
+def convert(src, dst, to: str):
     """Convert SRC to format ``to`` under DST; return the new step folder."""
     if to not in FORMATS:
         raise CheckpointError(f"cannot convert to {to!r}; choose one of: {', '.join(FORMATS)}")
@@ -61,6 +64,6 @@ def convert(src, dst, to: str, log=print):
     files.update(backend_class(to).write_sections(step_dir, sections))  # vanilla: model.pt/optimizer.pt; dcp: one rank
     layout.commit(step_dir, step, int(manifest["world_size"]), to, [{"rank": 0, "files": files}],
                   meta={"converted_from": frm, "source": str(where)})
-    log(f"converted {where} ({frm}, {manifest['world_size']} rank(s)) -> {step_dir} ({to}, {len(files)} files, "
+    _log.info(f"converted {where} ({frm}, {manifest['world_size']} rank(s)) -> {step_dir} ({to}, {len(files)} files, "
         f"committed)")
     return step_dir

@@ -51,6 +51,7 @@ NCCL's watchdog aborts the process on a collective error unless ``TORCH_NCCL_ASY
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -62,8 +63,16 @@ import torch.distributed as dist
 from . import layout
 from .errors import CheckpointError
 from .fsio import atomic_write_bytes
+from .logs import EVERY_RANK
 from .manager import CheckpointManager
 from .state import CheckpointState
+
+_log = logging.getLogger(__name__)
+
+
+def _tell(msg: str) -> None:
+    """A survivor's account of the failure: every rank prints its own."""
+    _log.info(msg, extra=EVERY_RANK)
 
 SETUP, FORWARD_BACKWARD, OPTIMIZER, BETWEEN_STEPS = "setup", "forward/backward", "optimizer step", "between steps"
 CLAIM_GRACE_S = 2.0
@@ -117,13 +126,12 @@ class JustInTime(NoJIT):
 
     def __init__(self, manager: CheckpointManager, state: CheckpointState, *,
                  reseed: Callable[[int], None] | None = None,
-                 ensure_logged: Callable[[int], None] = lambda step: None, log: Callable[[str], None] = print):
+                 ensure_logged: Callable[[int], None] = lambda step: None):
         self.manager = manager
         self.state = state
         self.rank = manager.rank
         self.reseed = reseed
         self.ensure_logged = ensure_logged  # the metrics' row repair (train.py): the CSV gets the saved step's row
-        self.log = log
         self.phase = BETWEEN_STEPS
         self._snapshot: dict[str, Any] = {}
 
@@ -147,25 +155,25 @@ class JustInTime(NoJIT):
         False: not handled (this rank failed itself, or it was inside the optimizer step) -> re-raise."""
         r = self.rank.rank
         if not is_peer_failure(exc):
-            self.log(f"jit: rank {r} failed itself ({one_line(exc)}); it does not save, a healthy replica will")
+            _tell(f"jit: rank {r} failed itself ({one_line(exc)}); it does not save, a healthy replica will")
             return False
         if self.phase == OPTIMIZER:
-            self.log(f"jit: rank {r} noticed the failure inside the optimizer step; its parameters may be half-updated, "
+            _tell(f"jit: rank {r} noticed the failure inside the optimizer step; its parameters may be half-updated, "
                      "so it does not save")
             return False
         t0 = time.perf_counter()
         step = int(self.state["train_state"].step)
-        self.log(f"jit: rank {r} noticed a failure during the {self.phase} of step {step + 1} ({one_line(exc)}); "
+        _tell(f"jit: rank {r} noticed a failure during the {self.phase} of step {step + 1} ({one_line(exc)}); "
                  f"the state of step {step} is intact")
         if step == 0:
-            self.log("jit: no step completed yet; nothing to save")
+            _tell("jit: no step completed yet; nothing to save")
             return True
         try:
-            existing = layout.resolve(self.manager.root, str(step), warn=lambda m: None)
+            existing = layout.resolve(self.manager.root, str(step), quiet=True)
         except CheckpointError:
             existing = None
         if existing is not None:
-            self.log(f"jit: step {step} is already committed ({existing.path}); nothing to save")
+            _tell(f"jit: step {step} is already committed ({existing.path}); nothing to save")
             return True
         if not self._elect():
             return True
@@ -174,10 +182,10 @@ class JustInTime(NoJIT):
             pieces, meta = self._pieces()
             path = self.manager.save_alone(step, pieces, meta=meta)
         except (OSError, CheckpointError) as e:
-            self.log(f"jit: rank {r} could not save step {step}: {one_line(e)}; resume falls back to the last "
+            _tell(f"jit: rank {r} could not save step {step}: {one_line(e)}; resume falls back to the last "
                      "periodic checkpoint")
             return True
-        self.log(f"jit: rank {r} saved step {step} to {path} in {time.perf_counter() - t0:.2f}s "
+        _tell(f"jit: rank {r} saved step {step} to {path} in {time.perf_counter() - t0:.2f}s "
                  f"(RNG of ranks {meta['rng_derived_ranks']} "
                  f"{'derived from their seed: exact' if meta['rng_exact'] else 'NOT recoverable: fresh seed on resume'}); "
                  "resume with --resume-from-checkpoint latest")
@@ -193,13 +201,13 @@ class JustInTime(NoJIT):
             while time.monotonic() < deadline:
                 lower = [p.name for p in work.glob("claim-rank-*") if int(p.name.rsplit("-", 1)[1]) < r]
                 if lower:
-                    self.log(f"jit: rank {r} leaves the save to a lower surviving rank ({sorted(lower)[0]})")
+                    _tell(f"jit: rank {r} leaves the save to a lower surviving rank ({sorted(lower)[0]})")
                     return False
                 time.sleep(0.05)
         try:
             fd = os.open(work / "writer.lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            self.log(f"jit: rank {r}: another survivor is already saving")
+            _tell(f"jit: rank {r}: another survivor is already saving")
             return False
         os.write(fd, str(r).encode())
         os.close(fd)

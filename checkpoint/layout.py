@@ -12,6 +12,7 @@ all of them, so `latest`, retention and verification cannot differ between backe
 
 from __future__ import annotations
 
+import logging
 import json
 import os
 import re
@@ -26,6 +27,8 @@ from . import storage
 from .errors import CheckpointError
 from .fsio import CHECKSUM_ALGORITHM, HASHERS, atomic_write_bytes, checksum_bytes, fsync_dir  # noqa: F401
 from .knobs import fault_point
+
+_log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 BACKEND_NAMES = ("vanilla", "concurrent", "dcp")  # = checkpoint.backends.BACKENDS (a test keeps them equal)
@@ -280,7 +283,7 @@ def drop_verified() -> None:
     _verified.clear()
 
 
-def resolve(root: Path, spec: str, *, warn=print, keep: bool = False) -> CheckpointInfo | None:
+def resolve(root: Path, spec: str, *, quiet: bool = False, keep: bool = False) -> CheckpointInfo | None:
     """Turn `latest`, a step number, or a path into a verified checkpoint.
 
     `latest` walks back from the newest committed checkpoint, skipping (with a warning naming it) any that fails
@@ -288,6 +291,7 @@ def resolve(root: Path, spec: str, *, warn=print, keep: bool = False) -> Checkpo
     the user asked for that one, so silently using another would be wrong.
     """
     root = storage.as_path(root)
+    warn = (lambda m: None) if quiet else (lambda m: _log.warning(f"warning: {m}"))
     if spec == "latest":
         for info in reversed(list_checkpoints(root)):
             if not info.committed:
@@ -317,7 +321,7 @@ def resolve(root: Path, spec: str, *, warn=print, keep: bool = False) -> Checkpo
 # --- retention -----------------------------------------------------------------------------------------------------
 
 
-def apply_retention(root: Path, keep: int, *, keep_every: int = 0, in_flight: set[int] = frozenset(), log=print,
+def apply_retention(root: Path, keep: int, *, keep_every: int = 0, in_flight: set[int] = frozenset(),
                     guard: Callable[[str], None] = _no_guard, own_staging: str = "") -> list[int]:
     """Delete committed checkpoints beyond the newest ``keep`` (by numeric step). Returns the deleted steps.
 
@@ -328,7 +332,7 @@ def apply_retention(root: Path, keep: int, *, keep_every: int = 0, in_flight: se
     after a new checkpoint has committed.
     """
     if keep <= 0 and not storage.is_remote(root):
-        _sweep_other_staging(storage.as_path(root), own_staging, guard, log)
+        _sweep_other_staging(storage.as_path(root), own_staging, guard)
         return []
     if keep <= 0:
         return []
@@ -351,11 +355,11 @@ def apply_retention(root: Path, keep: int, *, keep_every: int = 0, in_flight: se
         except FileNotFoundError:
             pass
         storage.rmtree(info.path)
-        log(f"retention: removed {info.path.name}")
+        _log.info(f"retention: removed {info.path.name}")
     if doomed:
         storage.sync_dir(storage.as_path(root))
     if not storage.is_remote(root):
-        _sweep_other_staging(storage.as_path(root), own_staging, guard, log)
+        _sweep_other_staging(storage.as_path(root), own_staging, guard)
     return [i.step for i in doomed]
 
 
@@ -408,7 +412,7 @@ def publish(staged: Path, root: Path, step: int, *, guard: Callable[[str], None]
     return target
 
 
-def recover(root: Path, own_staging: str = "", log=print) -> None:
+def recover(root: Path, own_staging: str = "") -> None:
     """At start, by the new owner, before `latest` is resolved: finish a replacement a crash interrupted (publish a
     committed staged step whose step-N is missing), then remove what no incarnation can use any more: other staging
     folders and trash. An uncommitted step folder (object storage, an older version, a lost marker) is left to `latest`
@@ -422,7 +426,7 @@ def recover(root: Path, own_staging: str = "", log=print) -> None:
             m = STEP_DIR_RE.match(staged.name)
             if m and (staged / COMMITTED).exists() and not (root / staged.name).exists():
                 staged.rename(root / staged.name)
-                log(f"run directory: published {staged.name}, committed before a crash interrupted its replacement")
+                _log.info(f"run directory: published {staged.name}, committed before a crash interrupted its replacement")
             else:
                 removed.append(f"{stage.name}/{staged.name}")
         shutil.rmtree(stage, ignore_errors=True)
@@ -432,11 +436,11 @@ def recover(root: Path, own_staging: str = "", log=print) -> None:
             shutil.rmtree(p, ignore_errors=True)
     fsync_dir(root)
     if removed:
-        log(f"run directory: removed what interrupted saves left ({', '.join(removed)}); the committed checkpoints "
+        _log.info(f"run directory: removed what interrupted saves left ({', '.join(removed)}); the committed checkpoints "
             "are untouched")
 
 
-def _sweep_other_staging(root: Path, own_staging: str, guard: Callable[[str], None], log) -> None:
+def _sweep_other_staging(root: Path, own_staging: str, guard: Callable[[str], None]) -> None:
     if not root.is_dir():
         return
     for p in root.iterdir():
@@ -445,8 +449,8 @@ def _sweep_other_staging(root: Path, own_staging: str, guard: Callable[[str], No
             shutil.rmtree(p, ignore_errors=True)
 
 
-def retire_newer(root: Path, step: int, *, keep_files: tuple[str, ...] = (), guard: Callable[[str], None] = _no_guard,
-                 log=print) -> Path | None:
+def retire_newer(root: Path, step: int, *, keep_files: tuple[str, ...] = (), guard: Callable[[str], None] = _no_guard
+                 ) -> Path | None:
     """The run continues from ``step``: move every checkpoint newer than it (a line the user left) to
     ``root/retired/<UTC time>-after-step-<step>/``, with a copy of ``keep_files``, so `latest` can never return to that
     line. Nothing is deleted. Returns the folder, or None if there was nothing to retire."""
@@ -464,7 +468,7 @@ def retire_newer(root: Path, step: int, *, keep_files: tuple[str, ...] = (), gua
         info.path.rename(dest / info.path.name)
     fsync_dir(dest)
     fsync_dir(root)
-    log(f"run directory: continuing from step {step}; moved the newer checkpoints of the abandoned line "
+    _log.info(f"run directory: continuing from step {step}; moved the newer checkpoints of the abandoned line "
         f"({', '.join(str(i.step) for i in newer)}) to {dest} (delete it when you no longer need them)")
     return dest
 

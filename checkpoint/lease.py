@@ -30,6 +30,7 @@ Tests shorten both through ``PYRECOVER_LEASE_HEARTBEAT_S`` (default 10 s) and ``
 
 from __future__ import annotations
 
+import logging
 import errno
 import json
 import os
@@ -45,6 +46,8 @@ from typing import Callable, Mapping
 from . import knobs, slurm
 from .errors import CheckpointError
 from .fsio import fsync_dir
+
+_log = logging.getLogger(__name__)
 
 OWNER_DIR = ".owner"
 _GEN_RE = re.compile(r"^gen-(\d{8,})\.json$")
@@ -213,17 +216,17 @@ def _takeover_reason(holder: dict | None, mtime: float, me: dict, force: bool,
 
 
 def acquire(root: Path, *, force: bool = False, environ: Mapping[str, str] = os.environ,
-            job_running: Callable[[str], bool | None] = slurm.job_running, log: Callable[[str], None] = print) -> Lease:
+            job_running: Callable[[str], bool | None] = slurm.job_running) -> Lease:
     """Take ``root`` over (rank 0, before anything in it is written), or raise LeaseHeld naming the live holder."""
     try:
-        return _acquire(Path(root), force, environ, job_running, log)
+        return _acquire(Path(root), force, environ, job_running)
     except OSError as e:
         raise CheckpointError(f"cannot take the run directory {root} over: {e.strerror or e} ({e.filename or root}); "
                               "check its permissions or pass another --checkpoint-dir") from None
 
 
 def _acquire(root: Path, force: bool, environ: Mapping[str, str], job_running: Callable[[str], bool | None],
-             log: Callable[[str], None]) -> Lease:
+             ) -> Lease:
     owner_dir = Path(root) / OWNER_DIR
     owner_dir.mkdir(parents=True, exist_ok=True)
     me = identity(environ)
@@ -245,7 +248,7 @@ def _acquire(root: Path, force: bool, environ: Mapping[str, str], job_running: C
                     f"writer per run directory; wait for it to finish, use another --experiment_name, or pass "
                     f"--force-takeover if that run is dead (it is then fenced)")
             if why:
-                log(f"run directory: taking over from {why}")
+                _log.info(f"run directory: taking over from {why}")
         record = {**me, "generation": current + 1}
         try:
             _publish(owner_dir / _gen_name(current + 1), record)

@@ -9,6 +9,7 @@ Policy (when to call ``save``) lives in policy.py and train.py; the manager neve
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from .errors import CheckpointError
 from .fsio import io_mode, is_disk_full
 from .lease import Fenced, Lease
 from .state import CheckpointState
+
+_log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 
@@ -66,7 +69,6 @@ class CheckpointManager:
         keep_every: int = 0,
         commit_timeout_s: float = 1800.0,
         lease: Lease | None = None,
-        log: Callable[[str], None] = print,
     ):
         self.root = storage.as_path(root)  # a local Path or an s3:// S3Path
         self.backend = backend
@@ -77,7 +79,6 @@ class CheckpointManager:
         self.commit_timeout_s = commit_timeout_s
         self.lease = lease  # one writer per run directory: None on object storage (no exclusive create there)
         self._fenced_logged = False
-        self.log = log
         self.in_flight: deque[SaveHandle] = deque()
         self.history: list[SaveRecord] = []
         self.load_seconds = 0.0
@@ -133,7 +134,7 @@ class CheckpointManager:
                 in_flight = {h.step for h in list(self.in_flight) if h.step != step}
                 try:
                     layout.apply_retention(self.root, self.keep, keep_every=self.keep_every, in_flight=in_flight,
-                                           log=self.log, guard=self._guard, own_staging=step_dir.parent.name)
+                                           guard=self._guard, own_staging=step_dir.parent.name)
                 except Fenced as e:
                     self._note_fenced(e)
 
@@ -184,7 +185,7 @@ class CheckpointManager:
         and the stop policy's vote (``fenced``) stops every rank at the next step boundary."""
         if not self._fenced_logged:
             self._fenced_logged = True
-            self.log(f"warning: {e}")
+            _log.warning(f"warning: {e}")
 
     @property
     def fenced(self) -> bool:
@@ -263,12 +264,12 @@ class CheckpointManager:
 
     def _drain(self) -> None:
         if self.in_flight:
-            self.log(f"waiting for {len(self.in_flight)} other checkpoint save(s) in flight before stopping")
+            _log.info(f"waiting for {len(self.in_flight)} other checkpoint save(s) in flight before stopping")
         while self.in_flight:
             try:
                 self._wait_and_forget(self.in_flight[0])
             except Exception as e:  # noqa: BLE001 - the first error is the one raised; later ones are logged
-                self.log(f"warning: {e}")
+                _log.warning(f"warning: {e}")
 
     def wait_staged(self) -> None:
         """Block until every in-flight save has captured its state. train.py calls this right before
@@ -298,7 +299,7 @@ class CheckpointManager:
         rate = r.bytes / MiB / r.durable_s if r.durable_s > 0 else 0.0
         where = "committed" if self.rank.is_main else "written"
         if self.rank.is_main:
-            self.log(
+            _log.info(
                 f"checkpoint step {r.step} {where}: {r.bytes / MiB:.1f} MiB, blocked {r.blocking_s:.2f}s, "
                 f"durable after {r.durable_s:.2f}s ({rate:.0f} MiB/s)"
             )
@@ -309,7 +310,7 @@ class CheckpointManager:
         result: list = [None]
         if self.rank.is_main:
             try:
-                result[0] = layout.resolve(self.root, spec, warn=lambda m: self.log(f"warning: {m}"), keep=True)
+                result[0] = layout.resolve(self.root, spec, keep=True)
             except CheckpointError as e:
                 result[0] = e
         if dist.is_initialized() and self.rank.world_size > 1:
@@ -334,7 +335,7 @@ class CheckpointManager:
             layout.drop_verified()
         self.load_seconds = time.perf_counter() - t0
         size = info.size_bytes
-        self.log(
+        _log.info(
             f"resumed from {info.path} (step {info.step}, {info.manifest['backend']} backend, "
             f"{size / MiB:.1f} MiB in {self.load_seconds:.2f}s, {size / MiB / max(self.load_seconds, 1e-9):.0f} MiB/s)"
         )
@@ -347,15 +348,15 @@ class CheckpointManager:
         this line. Returns the resumed step (None: fresh start)."""
         local = not storage.is_remote(self.root)
         if self.rank.is_main and local:
-            self.log(io_mode(self.root))  # decided once per filesystem; every save and load then uses it
+            _log.info(io_mode(self.root))  # decided once per filesystem; every save and load then uses it
             self._guard("clean up the run directory")
-            layout.recover(self.root, own_staging=self._staging.name, log=self.log)
+            layout.recover(self.root, own_staging=self._staging.name)
         step = self.load(spec, state) if spec else None
         if after_load is not None:  # e.g. train.py refusing a flag the checkpoint cannot take: before anything moves
             after_load(step)
         if self.rank.is_main and local:
             try:
-                layout.retire_newer(self.root, step or 0, keep_files=keep_files, guard=self._guard, log=self.log)
+                layout.retire_newer(self.root, step or 0, keep_files=keep_files, guard=self._guard)
             except OSError as e:
                 raise CheckpointError(f"cannot move the abandoned line's checkpoints aside under {self.root}: "
                                       f"{e.strerror or e}") from None

@@ -33,6 +33,7 @@ Tests pace the loop with ``PYRECOVER_STEP_SLEEP`` (a sleep at every step boundar
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -41,8 +42,16 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from . import knobs, slurm
+from .logs import EVERY_RANK
 from .signals import SignalOwner
 from .walltime import DeadlineReader, WalltimePolicy
+
+_log = logging.getLogger(__name__)
+
+
+def _tell(msg: str) -> None:
+    """Every rank's own view (its signals, its stop): printed by every rank."""
+    _log.info(msg, extra=EVERY_RANK)
 
 # Votes, ordered by urgency: agreement is an all-reduce MAX.
 # FENCED: a newer incarnation owns the run directory (checkpoint/lease.py): stop WITHOUT saving.
@@ -217,7 +226,7 @@ class StepBoundary:
     def __init__(self, interval: IntervalPolicy, *, agree: Callable[[float], float], rank: int = 0,
                  signals: SignalWatcher | None = None, walltime: WalltimePolicy | None = None,
                  every_minutes: WallClockInterval | None = None, requeue: RequeueSettings | None = None,
-                 environ: Mapping[str, str] = os.environ, log: Callable[[str], None] = print,
+                 environ: Mapping[str, str] = os.environ,
                  mono: Callable[[], float] = time.monotonic, step_sleep: float = 0.0,
                  save_history: Sequence | None = None, fenced: Callable[[], bool] | None = None):
         self.interval = interval
@@ -228,7 +237,6 @@ class StepBoundary:
         self.every_minutes = every_minutes
         self.requeue = requeue or RequeueSettings()
         self.environ = environ
-        self.log = log
         self.mono = mono
         self.step_sleep = step_sleep
         self.save_history = save_history  # CheckpointManager.history: SaveRecord(blocking_s, durable_s)
@@ -251,7 +259,7 @@ class StepBoundary:
         vote = NONE
         if self.signals is not None:
             for name in self.signals.new():
-                self.log(f"rank {self.rank}: received {name}")
+                _tell(f"rank {self.rank}: received {name}")
             vote = max(vote, self.signals.vote())
             self._my_signals = sorted({signal.Signals(s).name for s in self.signals.received})
         if self.walltime is not None:
@@ -274,7 +282,7 @@ class StepBoundary:
         if stop and self.stopped is None:
             self.stopped, self.stop_step = decision, step
             what = "stopping" if agreed == FENCED else "saving and stopping"
-            self.log(f"rank {self.rank}: {what} at step {step}: {self._why(agreed)}")
+            _tell(f"rank {self.rank}: {what} at step {step}: {self._why(agreed)}")
         return decision
 
     def __call__(self, step: int) -> Decision:
@@ -311,7 +319,7 @@ class StepBoundary:
         it should; every rank returns the same outcome (FINISHED, REQUEUED, STOPPED or REQUEUE_FAILED)."""
         if self.stopped is None or step >= final_step:
             if self.stopped is not None:
-                self.log(f"rank {self.rank}: stop requested at the final step {step}: training is complete, no requeue")
+                _tell(f"rank {self.rank}: stop requested at the final step {step}: training is complete, no requeue")
             outcome = FINISHED
         else:
             code = _OUTCOME_CODES[self._requeue(step, final_step)] if self.rank == 0 else 0
@@ -320,7 +328,7 @@ class StepBoundary:
         if self.signals is not None:
             late = self.signals.new()
             if late:
-                self.log(f"rank {self.rank}: also received {', '.join(late)} while stopping: ignored (the save had "
+                _tell(f"rank {self.rank}: also received {', '.join(late)} while stopping: ignored (the save had "
                          f"started; one save per stop)")
             if self.signals.armed and threading.current_thread() is threading.main_thread():
                 self.signals.release_term()
@@ -353,31 +361,31 @@ class StepBoundary:
     def _requeue(self, step: int, final_step: int) -> str:
         want, why = self.want_requeue()
         if not want:
-            self.log(f"interrupted (SIGINT) at step {step}: checkpoint step {step} committed; resume with "
+            _tell(f"interrupted (SIGINT) at step {step}: checkpoint step {step} committed; resume with "
                      f"--resume-from-checkpoint latest (make train does)" if self._interrupted() else
                      f"stopped at step {step} of {final_step}, checkpoint committed; not requeueing: {why}")
             return STOPPED
         target = slurm.requeue_target(self.environ)
         ok, message = slurm.requeue(target, timeout=self.requeue.timeout_s)
         if not ok:
-            self.log(f"error: stopped at step {step} of {final_step} with the checkpoint committed, but cannot requeue "
+            _tell(f"error: stopped at step {step} of {final_step} with the checkpoint committed, but cannot requeue "
                      f"job {target}: {message}; resubmit with --resume-from-checkpoint latest (or `sbatch "
                      f"submit-training-simple.sh --continue`)")
             return REQUEUE_FAILED
-        self.log(f"stopped at step {step} of {final_step}, checkpoint committed; requeued job {target} ({why}): "
+        _tell(f"stopped at step {step} of {final_step}, checkpoint committed; requeued job {target} ({why}): "
                  f"{message}")
         return REQUEUED
 
 
 def from_args(args, *, rank: int, agree: Callable[[float], float], signals: SignalWatcher | None,
-              log: Callable[[str], None], save_history: Sequence | None = None, start: float | None = None,
+              save_history: Sequence | None = None, start: float | None = None,
               environ: Mapping[str, str] = os.environ, fenced: Callable[[], bool] | None = None) -> StepBoundary:
     """Build the step-boundary policy from train.py's flags. Walltime and the wall-clock interval are decided on rank 0
     (one ``squeue`` per job, not per rank); the all-reduce carries the decision to the others."""
     walltime = None
     if getattr(args, "timeaware_checkpointing", False) and rank == 0:
         reader = DeadlineReader(environ, walltime_s=getattr(args, "walltime", None), start=start)
-        walltime = WalltimePolicy(reader, margin_s=args.walltime_margin_seconds, log=log)
+        walltime = WalltimePolicy(reader, margin_s=args.walltime_margin_seconds)
         walltime.start()
     every = None
     if getattr(args, "checkpoint_interval_minutes", 0) and rank == 0:
@@ -385,5 +393,5 @@ def from_args(args, *, rank: int, agree: Callable[[float], float], signals: Sign
     step_sleep = knobs.step_sleep_s(environ)
     return StepBoundary(IntervalPolicy(args.checkpoint_frequency, args.training_steps), agree=agree, rank=rank,
                         signals=signals, walltime=walltime, every_minutes=every,
-                        requeue=RequeueSettings(args.requeue, args.max_restarts), environ=environ, log=log,
+                        requeue=RequeueSettings(args.requeue, args.max_restarts), environ=environ,
                         step_sleep=step_sleep, save_history=save_history, fenced=fenced)

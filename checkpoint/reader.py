@@ -50,7 +50,7 @@ def locate(path: str | Path) -> tuple[Path, dict | None]:
         return p, None
     if (p / layout.COMMITTED).exists() or (p / layout.MANIFEST).exists():
         return p, layout.verify(p)
-    info = layout.resolve(p, "latest", warn=lambda m: None)
+    info = layout.resolve(p, "latest", quiet=True)
     if info is None:
         raise CheckpointError(f"{p} holds no committed checkpoint (expected a step-N folder or an experiment folder)")
     return info.path, info.manifest

@@ -9,12 +9,15 @@ arguments, so tests/test_policy.py drives them with a fake clock.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from typing import Callable, Mapping
 
 from . import slurm
+
+_log = logging.getLogger(__name__)
 
 
 def parse_walltime(text: str) -> float:
@@ -99,14 +102,13 @@ class WalltimePolicy:
 
     def __init__(self, read: Callable[[], Deadline], *, margin_s: float = 60.0, step_factor: float = 3.0,
                  refresh_s: float = 300.0, clock: Callable[[], float] = time.time, background: bool = True,
-                 log: Callable[[str], None] = print, ema: float = 0.2):
+                 ema: float = 0.2):
         self.read = read
         self.margin_s = margin_s
         self.step_factor = step_factor
         self.refresh_s = refresh_s
         self.clock = clock
         self.background = background
-        self.log = log
         self.ema = ema
         self.step_s: float | None = None
         self.save_s = 0.0
@@ -124,12 +126,12 @@ class WalltimePolicy:
         self._last_read = self.clock()
         if when is None:
             if first:
-                self.log(f"walltime: no deadline known ({source}); time-aware stopping is off until one is")
+                _log.info(f"walltime: no deadline known ({source}); time-aware stopping is off until one is")
             return
         if first or self.deadline is None or abs(when - self.deadline) >= 1.0:
             left = when - self.clock()
             verb = "deadline" if first else "deadline changed:"
-            self.log(f"walltime: {verb} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(when))} "
+            _log.info(f"walltime: {verb} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(when))} "
                      f"({left:.0f}s from now) from {source}")
         self.deadline, self.source = when, source
 
@@ -145,7 +147,7 @@ class WalltimePolicy:
             try:
                 self._apply(self.read())
             except Exception as e:  # noqa: BLE001 - a failed refresh keeps the last deadline
-                self.log(f"walltime: re-reading the deadline failed: {e}")
+                _log.info(f"walltime: re-reading the deadline failed: {e}")
 
         self._thread = threading.Thread(target=work, name="walltime-refresh", daemon=True)
         self._thread.start()

@@ -7,7 +7,13 @@ import subprocess
 
 import pytest
 
-from helpers import PY, ROOT, env_for_tests
+from helpers import PY, ROOT, LogLines, env_for_tests
+
+
+@pytest.fixture(autouse=True)
+def _detach_log_lines():
+    yield
+    LogLines.detach_all()
 
 
 @pytest.fixture(scope="session")

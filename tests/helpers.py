@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import signal
 import socket
@@ -126,3 +127,27 @@ def kill_run_at_row(cmd: list[str], csv: Path, row: int, *, env: dict | None = N
             assert time.monotonic() < deadline + 30, "ranks survived SIGKILL"
             time.sleep(0.01)
     assert csv_rows(csv) < row + 2  # nothing kept training after the kill
+
+
+class LogLines(list):
+    """The lines the checkpoint package logs (stdlib logging, checkpoint/logs.py) from the moment this is made until
+    the test ends (conftest detaches every one)."""
+
+    attached: list["LogLines"] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._handler = logging.Handler(logging.INFO)
+        self._handler.emit = lambda record: self.append(record.getMessage())
+        logger = logging.getLogger("checkpoint")
+        logger.addHandler(self._handler)
+        logger.setLevel(logging.INFO)
+        LogLines.attached.append(self)
+
+    def has(self, text: str) -> bool:
+        return any(text in m for m in self)
+
+    @classmethod
+    def detach_all(cls) -> None:
+        while cls.attached:
+            logging.getLogger("checkpoint").removeHandler(cls.attached.pop()._handler)

@@ -228,7 +228,7 @@ def test_files_are_torch_save_format(tmp_path, monkeypatch, zip64):
     if zip64:
         monkeypatch.setattr(torchzip, "_ZIP64_LIMIT", 1)
     state, expected = _mixed_state()
-    backend = cc.ConcurrentBackend(RankInfo(), max_async=1, log=lambda m: None)
+    backend = cc.ConcurrentBackend(RankInfo(), max_async=1)
     files = backend.save(tmp_path, state).wait()
     backend.close()
     assert set(files) == set(expected)
@@ -297,7 +297,7 @@ def test_snapshot_is_the_state_at_save_even_though_optimizer_steps_right_after_w
     forward_backward()
     assert all(torch.equal(v, before_model[k]) for k, v in live_model.items())  # fwd/bwd changed nothing saved
 
-    backend = cc.ConcurrentBackend(RankInfo(), max_async=2, log=lambda m: None)
+    backend = cc.ConcurrentBackend(RankInfo(), max_async=2)
     handle = backend.save(tmp_path, state)
     forward_backward()  # the next step's work, overlapping the copy
     handle.wait_staged()
@@ -317,7 +317,7 @@ def test_n_in_flight_overlap_and_pool_reuse(tmp_path):
     the pool holds exactly two sets, each allocated once, never more than 2 x the staged state."""
     state, _ = _mixed_state()
     gate = threading.Event()
-    backend = cc.ConcurrentBackend(RankInfo(), max_async=2, log=lambda m: None)
+    backend = cc.ConcurrentBackend(RankInfo(), max_async=2)
     backend.after_file = lambda path: gate.wait(60)
     dirs = [tmp_path / f"s{i}" for i in range(3)]
     for d in dirs:

@@ -477,10 +477,9 @@ def _jit(tmp_path: Path, step: int = 5, rank: int = 0, metrics=None):
     from checkpoint.jit import JustInTime
 
     who = RankInfo(rank, 2)
-    manager = CheckpointManager(tmp_path, make_backend("vanilla", who), who, run_id="test", log=lambda m: None)
+    manager = CheckpointManager(tmp_path, make_backend("vanilla", who), who, run_id="test")
     state = CheckpointState(model=_Piece(1), train_state=TrainState(step=step), dataloader=_Piece(7))
-    return JustInTime(manager, state, ensure_logged=metrics.ensure_logged if metrics else (lambda step: None),
-                      log=lambda m: None)
+    return JustInTime(manager, state, ensure_logged=metrics.ensure_logged if metrics else (lambda step: None))
 
 
 def test_jit_survivor_commits_and_logs_the_step_rank0_never_logged(tmp_path):
@@ -491,7 +490,7 @@ def test_jit_survivor_commits_and_logs_the_step_rank0_never_logged(tmp_path):
     csv_path = tmp_path / "loss.csv"
     csv_path.write_text("step,loss,lr,tokens_seen,wall_time,restart\n" +
                         "".join(f"{i},{i}.0,0.1,{10 * i},0.0,0\n" for i in range(1, 5)))
-    metrics = Metrics(writer=False, csv_path=csv_path, log=lambda m: None)  # rank 1: notes rows, writes none
+    metrics = Metrics(writer=False, csv_path=csv_path)  # rank 1: notes rows, writes none
     jit = _jit(tmp_path, step=5, rank=1, metrics=metrics)
     jit.begin_step()
     jit.begin_optimizer()

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT
+from helpers import ROOT, LogLines
 
 sys.path.insert(0, str(ROOT))
 from checkpoint import layout, storage  # noqa: E402
@@ -179,10 +179,8 @@ def make_manager(root):
 
     def make(*, keep: int = 0, keep_every: int = 0, max_in_flight: int = 1, run_id: str = RUN) -> CheckpointManager:
         backend = FakeBackend(max_in_flight)
-        logs: list[str] = []
-        m = CheckpointManager(root, backend, RankInfo(), run_id=run_id, keep=keep, keep_every=keep_every,
-                              log=logs.append)
-        m.logs = logs
+        m = CheckpointManager(root, backend, RankInfo(), run_id=run_id, keep=keep, keep_every=keep_every)
+        m.logs = LogLines()
         made.append(backend)
         return m
 
@@ -223,7 +221,10 @@ def present(root: Path) -> list[int]:
 
 
 def latest(root: Path, warnings: list[str] | None = None) -> int | None:
-    info = layout.resolve(root, "latest", warn=(warnings.append if warnings is not None else lambda m: None))
+    lines = LogLines()
+    info = layout.resolve(root, "latest")
+    if warnings is not None:
+        warnings.extend(lines)
     return None if info is None else info.step
 
 
@@ -248,7 +249,7 @@ def test_retention_orders_steps_by_number_not_by_name(root):
     assert names[0] == layout.step_dir_name(100_000_000)  # by name, the 9-digit steps sort first
     assert present(root) == steps
 
-    assert layout.apply_retention(root, 2, log=lambda m: None) == [99_999_998, 99_999_999]
+    assert layout.apply_retention(root, 2) == [99_999_998, 99_999_999]
     assert present(root) == [100_000_000, 100_000_001]
     assert latest(root) == 100_000_001
 
@@ -256,12 +257,12 @@ def test_retention_orders_steps_by_number_not_by_name(root):
 def test_retention_keep_every_milestones_survive(root):
     for s in range(2, 13, 2):
         commit_step(root, s)
-    logs: list[str] = []
-    assert layout.apply_retention(root, 2, keep_every=4, log=logs.append) == [2, 6]
+    logs = LogLines()
+    assert layout.apply_retention(root, 2, keep_every=4) == [2, 6]
     assert committed(root) == [4, 8, 10, 12]  # the newest 2, plus every multiple of 4
     assert logs == ["retention: removed step-00000002", "retention: removed step-00000006"]
     # keep=0 means keep everything (milestones or not)
-    assert layout.apply_retention(root, 0, log=logs.append) == []
+    assert layout.apply_retention(root, 0) == []
     assert committed(root) == [4, 8, 10, 12]
 
 
@@ -273,10 +274,10 @@ def test_retention_spares_in_flight_and_newest_and_newer_partials(root):
     (root / layout.step_dir_name(3)).mkdir()  # uncommitted, older than the newest commit
     (root / layout.step_dir_name(5)).mkdir()  # uncommitted, newer than the newest commit
 
-    assert layout.apply_retention(root, 1, in_flight={1, 3}, log=lambda m: None) == [2]
+    assert layout.apply_retention(root, 1, in_flight={1, 3}) == [2]
     assert present(root) == [1, 3, 4, 5]
     # Once nothing is in flight: 1 goes (beyond keep), 3 is a stale partial; 4 (newest) and 5 (newer) stay.
-    assert layout.apply_retention(root, 1, log=lambda m: None) == [1, 3]
+    assert layout.apply_retention(root, 1) == [1, 3]
     assert present(root) == [4, 5] and committed(root) == [4]
     assert latest(root) == 4
 
@@ -291,7 +292,7 @@ def test_retention_sweeps_dead_staging_and_trash_only(root):
     trash = root / ".trash-step-00000001-x"
     trash.mkdir()
 
-    assert layout.apply_retention(root, 0, own_staging=own.name, log=lambda m: None) == []
+    assert layout.apply_retention(root, 0, own_staging=own.name) == []
     assert committed(root) == [1, 2]
     assert not other.exists() and not trash.exists()
     assert (own / layout.step_dir_name(4)).is_dir()
@@ -643,8 +644,8 @@ def test_crash_between_replace_renames_is_finished_at_the_next_start(root, monke
     assert latest(root) is None  # step-5 is in neither place `latest` looks; both copies are committed elsewhere
     monkeypatch.undo()
 
-    logs: list[str] = []
-    layout.recover(root, own_staging=".staging-run-b", log=logs.append)
+    logs = LogLines()
+    layout.recover(root, own_staging=".staging-run-b")
     assert (root / layout.step_dir_name(5) / "model.pt").read_bytes() == b"new!"
     assert latest(root) == 5
     assert sorted(p.name for p in root.iterdir()) == [layout.step_dir_name(5)]  # trash and staging swept

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PY, ROOT, TINY, check_weights, env_for_tests, loss_rows, torchrun_cmd
+from helpers import PY, ROOT, TINY, LogLines, check_weights, env_for_tests, loss_rows, torchrun_cmd
 
 sys.path.insert(0, str(ROOT))
 from checkpoint import policy, slurm  # noqa: E402
@@ -33,12 +33,7 @@ class FakeClock:
         self.t += s
 
 
-class Log(list):
-    def __call__(self, msg: str) -> None:
-        self.append(msg)
-
-    def has(self, text: str) -> bool:
-        return any(text in m for m in self)
+Log = LogLines  # what the policy logged
 
 
 @pytest.fixture
@@ -93,7 +88,7 @@ def test_squeue_end_time_is_parsed_as_utc():
 def _walltime(clock: FakeClock, left: float, **kw) -> tuple[WalltimePolicy, Log]:
     log = Log()
     deadline = clock() + left
-    wt = WalltimePolicy(lambda: (deadline, "fake-squeue"), clock=clock, background=False, log=log, **kw)
+    wt = WalltimePolicy(lambda: (deadline, "fake-squeue"), clock=clock, background=False, **kw)
     wt.start()
     return wt, log
 
@@ -128,7 +123,7 @@ def test_walltime_deadline_is_re_read_and_extension_is_honoured():
     log = Log()
     ends = [clock() + 100.0]
     wt = WalltimePolicy(lambda: (ends[0], "fake-squeue"), margin_s=50, step_factor=0, refresh_s=60, clock=clock,
-                        background=False, log=log)
+                        background=False)
     wt.start()
     clock.advance(40)  # 60 s left < 50? no
     assert not wt.due()
@@ -184,7 +179,7 @@ def test_slurm_end_time_via_fake_squeue_and_scontrol(tmp_path, monkeypatch):
 
 
 def _ranks(n: int, log: Log, **per_rank) -> list[StepBoundary]:
-    return [StepBoundary(IntervalPolicy(every_steps=0, final_step=100), agree=lambda v: v, rank=r, log=log,
+    return [StepBoundary(IntervalPolicy(every_steps=0, final_step=100), agree=lambda v: v, rank=r,
                          **{k: v[r] for k, v in per_rank.items()}) for r in range(n)]
 
 
@@ -236,7 +231,7 @@ def test_wall_clock_interval_saves_on_every_rank_without_stopping():
 
 
 def test_step_interval_and_final_step_need_no_vote():
-    b = StepBoundary(IntervalPolicy(every_steps=5, final_step=12), agree=lambda v: v, log=Log())
+    b = StepBoundary(IntervalPolicy(every_steps=5, final_step=12), agree=lambda v: v)
     b.start()
     assert [s for s in range(1, 13) if b(s).save] == [5, 10, 12]
     assert not any(b(s).stop for s in range(1, 13))
@@ -250,7 +245,7 @@ def test_step_interval_and_final_step_need_no_vote():
 def test_double_signal_and_sigterm_during_the_save_neither_save_again_nor_abort(restore_signals):
     log = Log()
     watcher = policy.install_signal_handlers("USR1")
-    b = StepBoundary(IntervalPolicy(every_steps=0, final_step=50), agree=lambda v: v, signals=watcher, log=log,
+    b = StepBoundary(IntervalPolicy(every_steps=0, final_step=50), agree=lambda v: v, signals=watcher,
                      environ={})
     b.start()
     saves, step = [], 0
@@ -281,7 +276,7 @@ def test_sigterm_before_the_loop_exits_at_once_and_in_the_loop_saves(restore_sig
         _deliver(signal.SIGTERM)  # setup: nothing to save yet
     assert e.value.code == 128 + signal.SIGTERM
     log = Log()
-    b = StepBoundary(IntervalPolicy(0, 10), agree=lambda v: v, signals=watcher, log=log, environ={})
+    b = StepBoundary(IntervalPolicy(0, 10), agree=lambda v: v, signals=watcher, environ={})
     b.start()
     _deliver(signal.SIGTERM)
     d = b(3)
@@ -307,7 +302,7 @@ def fake_scontrol(tmp_path, monkeypatch):
 
 def _stopped(environ: dict, log: Log, requeue: RequeueSettings | None = None, vote: int = SIGNAL,
              final: int = 100) -> StepBoundary:
-    b = StepBoundary(IntervalPolicy(0, final), agree=lambda v: v, log=log, environ=environ, requeue=requeue)
+    b = StepBoundary(IntervalPolicy(0, final), agree=lambda v: v, environ=environ, requeue=requeue)
     b.resolve(vote, 40)
     return b
 

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from helpers import PY, ROOT, TINY, check_weights, csv_rows, env_for_tests, loss_rows, run_train
+from helpers import PY, ROOT, TINY, LogLines, check_weights, csv_rows, env_for_tests, loss_rows, run_train
 
 
 def _train_lr_lambda():
@@ -183,10 +183,10 @@ def test_sigint_in_the_loop_is_save_and_stop_without_requeue():
 
     kept = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)}
     try:
-        log: list[str] = []
+        log = LogLines()
         watcher = policy.install_signal_handlers("USR1")
         assert watcher.owner.owns(signal.SIGINT)  # else the SIGINT below would end pytest
-        b = policy.StepBoundary(policy.IntervalPolicy(0, 10), agree=lambda v: v, signals=watcher, log=log.append,
+        b = policy.StepBoundary(policy.IntervalPolicy(0, 10), agree=lambda v: v, signals=watcher,
                                 environ={"SLURM_JOB_ID": "1"})
         b.start()
         os.kill(os.getpid(), signal.SIGINT)

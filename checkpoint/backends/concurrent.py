@@ -35,11 +35,12 @@ line at the next step's ``poll()``. Test-only hooks (knobs.py): fault points ``c
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import torch
@@ -50,6 +51,8 @@ from ..state import CheckpointState
 from .base import ASYNC_ALWAYS, Backend, PayloadHandle, RankInfo
 from .torchzip import FilePlan, Plan, plan_pieces
 from .vanilla import load_pieces, payload_pieces, read_section
+
+_log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 DEFAULT_CHUNK = 16 * MiB
@@ -71,9 +74,8 @@ class BufferSet:
 class BufferPool:
     """At most ``max_sets`` buffer sets, each allocated once and reused. ``acquire`` blocks while all are in use."""
 
-    def __init__(self, max_sets: int, log: Callable[[str], None]):
+    def __init__(self, max_sets: int):
         self.max_sets = max_sets
-        self.log = log
         self.sets: list[BufferSet] = []
         self.free: list[BufferSet] = []
         self.allocations = 0
@@ -101,7 +103,7 @@ class BufferPool:
             self.allocation_s += time.perf_counter() - t0
             self.sets.append(chosen)
             self.allocations += 1
-            self.log(f"concurrent checkpointing: allocated host buffer set {len(self.sets)}/{self.max_sets} "
+            _log.info(f"concurrent checkpointing: allocated host buffer set {len(self.sets)}/{self.max_sets} "
                      f"({nbytes / MiB:.1f} MiB{', pinned' if pin else ''}) for {what}; pool {self.nbytes / MiB:.1f} MiB")
             return chosen
 
@@ -275,7 +277,7 @@ class ConcurrentBackend(Backend):
     read_section = staticmethod(read_section)  # vanilla's files, in the same zip format
 
     def __init__(self, rank: RankInfo, max_async: int = 2, chunk_mib: float = DEFAULT_CHUNK / MiB,
-                 log: Callable[[str], None] | None = None, pipeline: bool = True, writer_nice: int = 0):
+                 pipeline: bool = True, writer_nice: int = 0):
         super().__init__(rank)
         # Opt-in: run the writer threads at this nice value (never the copier: it is on the critical path before
         # optimizer.step()). Off by default: on the shared benchmark machine it did not reliably shrink the training
@@ -288,8 +290,7 @@ class ConcurrentBackend(Backend):
             raise ValueError(f"chunk size must be positive, got {chunk_mib} MiB")
         self.max_in_flight = int(max_async)
         self.chunk = max(PAGE, int(chunk_mib * MiB) // PAGE * PAGE)
-        self.log = log if log is not None else (print if rank.is_main else (lambda m: None))
-        self.pool = BufferPool(self.max_in_flight, self.log)
+        self.pool = BufferPool(self.max_in_flight)
         # Test-only: called by the writer after each payload file's bytes (before its fsync). The knob simulates a slow
         # disk so that the CLI tests can watch several saves in flight.
         self.after_file: Callable[[Path], None] | None = None
@@ -319,7 +320,7 @@ class ConcurrentBackend(Backend):
         if in_flight > self.peak_in_flight:
             self.peak_in_flight = in_flight
             if in_flight > 1:
-                self.log(f"concurrent checkpointing: {step_dir.name} started while {in_flight - 1} earlier save(s) "
+                _log.info(f"concurrent checkpointing: {step_dir.name} started while {in_flight - 1} earlier save(s) "
                          f"still persisting ({in_flight} in flight, max {self.max_in_flight})")
         buf = self.pool.acquire(plan.nbytes, pin, f"a {plan.nbytes / MiB:.1f} MiB state")
         self.state_bytes = max(self.state_bytes, plan.nbytes)
@@ -357,5 +358,5 @@ class ConcurrentBackend(Backend):
         for snap in active:  # the manager already waited for these; a direct user may not have
             snap._writer.join()
         if self.saves:
-            self.log(self.memory_report())
-        self.pool = BufferPool(self.max_in_flight, self.log)  # free the host memory
+            _log.info(self.memory_report())
+        self.pool = BufferPool(self.max_in_flight)  # free the host memory

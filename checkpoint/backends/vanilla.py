@@ -6,6 +6,7 @@ holding that rank's RNG and data-loader position.
 
 from __future__ import annotations
 
+import logging
 import pickle
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,11 @@ import torch
 from .. import layout, storage
 from ..errors import CheckpointError
 from ..fsio import MemoryFile, atomic_write, fsync_dir
+from ..logs import EVERY_RANK
 from ..state import CheckpointState
 from .base import Backend, CompletedPayload, PayloadHandle
+
+_log = logging.getLogger(__name__)
 
 
 def rank_file(rank: int) -> str:
@@ -105,7 +109,7 @@ def write_sections(step_dir: Path, sections: dict[str, dict]) -> dict[str, dict]
             for s, sd in sections.items()}
 
 
-def load_pieces(step_dir: Path, manifest: dict, state: CheckpointState, rank: int, log=print) -> None:
+def load_pieces(step_dir: Path, manifest: dict, state: CheckpointState, rank: int) -> None:
     files = manifest["files"]
     for key, piece in state.shared().items():
         name = f"{key}.pt"
@@ -120,7 +124,8 @@ def load_pieces(step_dir: Path, manifest: dict, state: CheckpointState, rank: in
         # rank's RNG keeps its fresh seed. Said out loud because the run is then not bit-identical to the old one.
         per_rank = safe_load(step_dir / rank_file(0), files[rank_file(0)], manifest["checksum"])
         per_rank.pop("rng", None)
-        log(f"rank {rank}: {step_dir} was saved by {manifest['world_size']} ranks; using rank 0's data position, fresh RNG")
+        _log.info(f"rank {rank}: {step_dir} was saved by {manifest['world_size']} ranks; using rank 0's data "
+                  "position, fresh RNG", extra=EVERY_RANK)
     for key, piece in state.per_rank().items():
         if key in per_rank:
             piece.load_state_dict(per_rank[key])

@@ -1,0 +1,38 @@
+"""Log lines go through stdlib logging: one logger per module under ``checkpoint`` (and ``pyrecover`` for train.py),
+configured once by the program that runs (``setup``), never handed around as callables.
+
+In a job of many ranks most lines are rank 0's to say (a checkpoint committed, retention); a line that every rank must
+print because it is that rank's own view (a signal it received, a just-in-time save) is logged with
+``extra=EVERY_RANK``. The rank filter on the handler decides, in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TextIO
+
+#: ``logger.info(msg, extra=EVERY_RANK)``: printed by every rank, not only rank 0
+EVERY_RANK = {"every_rank": True}
+ROOTS = ("checkpoint", "pyrecover")
+
+
+class RankFilter(logging.Filter):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.rank == 0 or getattr(record, "every_rank", False)
+
+
+def setup(rank: int = 0, stream: TextIO | None = None) -> None:
+    """INFO and up, the bare message, one write per line to ``stream`` (stdout), filtered by ``rank``."""
+    handler = logging.StreamHandler(stream or sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.addFilter(RankFilter(rank))
+    for name in ROOTS:
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
