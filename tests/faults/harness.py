@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Callable
 
 from helpers import PY, ROOT, TINY, check_weights, csv_rows, env_for_tests, loss_rows, torchrun_cmd
+from train import EXIT_BAD_INPUT, EXIT_FENCED  # the one exit-code table (2: a start refused, run directory in use)
 
 POINTS = ("after_write_before_fsync", "after_fsync_before_rename", "after_manifest_before_commit",
           "during_retention_delete")
@@ -76,8 +77,6 @@ REQUIRED_ZERO = ("checkpoints_lost", "partial_resumes", "final_mismatches", "une
                  "reference_failures", "stale_commits", "stale_successes", "unrefused_starts")
 KINDS = ("kill", "overlap")
 OVERLAP_EVERY = 4  # with both kinds, trials 3, 7, 11, ... are overlaps (4 and the 7 configurations are coprime)
-EXIT_FENCED = 6  # train.py EXIT_FENCED
-EXIT_BAD_INPUT = 2  # train.py EXIT_BAD_INPUT: a start refused because the run directory is in use
 EXPERIMENT = "run"
 KEEP = 2
 ATTEMPT_TIMEOUT_S = 300.0
