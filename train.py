@@ -147,8 +147,8 @@ def check_inputs(args: argparse.Namespace, env: distributed.DistEnv):
     """The flags' numbers, flash-attn, the memory the configuration needs, and the data. Returns (tokenizer, token
     windows, model config)."""
     check_numeric_flags(args)
-    if args.use_flash_attention and flash_attention_problem(env.device):
-        raise BadInput(flash_attention_problem(env.device))
+    if args.use_flash_attention and (problem := flash_attention_problem(env.device)):
+        raise BadInput(problem)
     tokenizer = load_tokenizer(args.tokenizer_name_or_path)
     config = get_config(args.model, vocab_size=tokenizer.vocab_size, max_seq_len=args.sequence_length)
     check_memory(args, env, config)
@@ -224,6 +224,7 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler  # enabled for fp16 only; otherwise every call passes straight through
     loader: TrainLoader
+    autocast: object  # bf16/fp16 autocast, or a null context: made once, entered every step
     train: TrainState
     tokens_per_step: int
     memory: distributed.PeakMemory
@@ -252,8 +253,8 @@ def build_run(args: argparse.Namespace, env: distributed.DistEnv, checked: Check
     seed_everything(args.seed + env.rank)  # per-rank streams from here on (restored from the checkpoint on resume)
     train = TrainState()
     knobs.install_crash_hook(unwrap_model(model), env.rank, lambda: train.step)  # test-only (knobs.py)
-    return Run(args, env, model, optimizer, scheduler, scaler, loader, train,
-               args.batch_size * args.sequence_length * env.world_size, memory, estimate)
+    return Run(args, env, model, optimizer, scheduler, scaler, loader, distributed.autocast(env, args.model_dtype),
+               train, args.batch_size * args.sequence_length * env.world_size, memory, estimate)
 
 
 class Checkpointing:
@@ -408,7 +409,7 @@ def train_step(run: Run, before_update) -> tuple[float, float, torch.Tensor | No
     learning rate the step used, and the gradient norm before clipping (None: no clipping)."""
     inputs, targets = run.loader.next_batch()
     inputs, targets = inputs.to(run.env.device, non_blocking=True), targets.to(run.env.device, non_blocking=True)
-    with distributed.autocast(run.env, run.args.model_dtype):
+    with run.autocast:
         logits = run.model(inputs)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
     run.scaler.scale(loss).backward()

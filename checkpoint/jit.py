@@ -74,7 +74,7 @@ def _tell(msg: str) -> None:
     """A survivor's account of the failure: every rank prints its own."""
     _log.info(msg, extra=EVERY_RANK)
 
-SETUP, FORWARD_BACKWARD, OPTIMIZER, BETWEEN_STEPS = "setup", "forward/backward", "optimizer step", "between steps"
+FORWARD_BACKWARD, OPTIMIZER, BETWEEN_STEPS = "forward/backward", "optimizer step", "between steps"
 CLAIM_GRACE_S = 2.0
 
 _PEER_FAILURE_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset by peer", "broken pipe",

@@ -154,10 +154,7 @@ class CheckpointManager:
         from .backends.vanilla import save_pieces
 
         staging = self._staging / f"jit-rank-{self.rank.rank:05d}" / layout.step_dir_name(step)
-        self._guard(f"save step {step} just in time")
-        if staging.exists():
-            storage.rmtree(staging)
-        staging.mkdir(parents=True)
+        self._prepare_step_dir(staging)
         files = save_pieces(staging, pieces, self.rank.rank)
         layout.write_part_record(staging, self.rank.rank, files, run_id=self.run_id)
         layout.commit(staging, step, self.rank.world_size, "vanilla", [{"files": files}], meta=meta)
