@@ -11,7 +11,7 @@ STEPS    ?= 300
 K        ?= 20
 PYTEST_ARGS ?=
 
-.PHONY: help install data train test test-fast faults bench bench-detail goodput clean distclean
+.PHONY: help install data train test test-fast faults bench bench-detail bench-mirror goodput clean distclean
 
 help:
 	@echo "make train      set up .venv, build the embedded dataset, train the 'small' preset ($(STEPS) steps, checkpoints)"
@@ -19,6 +19,7 @@ help:
 	@echo "make faults K=N fault injection: K kill/resume trials (every 4th an overlap: frozen run, takeover, fenced) over backends x 1,2 ranks (+ JIT); ARGS=\"--seed S --json F\""
 	@echo "make bench      the byte path against the machine's limits (CPU/GiB vs memcpy, vs O_DIRECT, training overhead vs DCP, resume): results/bench_targets.{md,json,png}"
 	@echo "make bench-detail  per-backend save/load/burst/throughput tables: results/checkpoint_bench.{md,png}"
+	@echo "make bench-mirror  training stall: checkpoints straight to S3 (SeaweedFS) vs local disk + --mirror-dir s3://: results/mirror.{md,json}; ARGS=\"--repeats N --steps N --every N\""
 	@echo "make goodput    goodput under a seeded kill schedule (MTBF 40 s) per checkpoint configuration: results/goodput.{md,json,png}; ARGS=\"--mtbf S --seed N --steps N --configs a,b --quick\""
 
 $(VENV)/.installed: pyproject.toml
@@ -44,7 +45,8 @@ train: $(DATA)
 	$(PY) train.py --model small --dataset $(DATA) --training-steps $(STEPS) --checkpoint-frequency 100 \
 	  --experiment_name make-train --log-loss-to-csv --resume-from-checkpoint latest $(ARGS)
 
-# The local test SLURM node advertises 8 CPUs (oversubscribing 2 real cores) so the 2-rank test jobs run side by side.
+# The local test SLURM node advertises 8 CPUs (oversubscribing 2 real cores) so the 2-rank test jobs run side by side
+# (the multi-node test cluster sets its own: 4 per emulated node).
 # As root with apt-get, the SLURM tests install what they miss (slurm-wlm, munge) and start the local cluster themselves;
 # otherwise they skip, each group saying in one line what to run.
 CAN_INSTALL_SLURM := $(shell [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && echo 1)
@@ -67,6 +69,9 @@ bench-detail: $(DATA)
 
 goodput: $(DATA)
 	$(PY) -m benchmarks.goodput $(ARGS)
+
+bench-mirror: $(DATA)
+	$(PY) -m benchmarks.mirror $(ARGS)
 
 clean:
 	rm -rf checkpoints logs .pytest_cache

@@ -324,6 +324,41 @@ def load_token_windows(parquet_path: str | os.PathLike, tokenizer: Tokenizer, se
     return windows
 
 
+def hold_out(windows: TokenWindows, n: int) -> tuple[TokenWindows, TokenWindows | None]:
+    """Split off the last ``n`` windows as an evaluation set that training never sees (not even the one token a training
+    window's target would share with it). Returns (training windows, evaluation windows or None for n == 0)."""
+    n = int(n)
+    if n <= 0:
+        return windows, None
+    if n >= len(windows):
+        raise DataError(f"--eval-windows {n} holds out all {len(windows)} windows of {windows.source}; use fewer "
+                        "(e.g. 8) or --eval-windows 0")
+    cut = (len(windows) - n) * windows.seq_len  # first token of the first held-out window
+    train = TokenWindows(windows.tokens[:cut], windows.seq_len, source=windows.source)
+    return train, TokenWindows(windows.tokens[cut:], windows.seq_len, source=f"{windows.source} (held out)")
+
+
+def fingerprint(*parts: np.ndarray, budget: int = 256 << 20) -> str:
+    """xxh3 of the token stream (tokenizer and data in one value); ``parts`` in order, e.g. the training and the
+    held-out tokens. A stream over ``budget`` bytes is hashed at evenly spaced 1 MiB chunks plus its length, so a start
+    never reads a whole multi-GB corpus."""
+    import xxhash
+
+    total = sum(p.nbytes for p in parts)
+    h = xxhash.xxh3_64(str(sum(len(p) for p in parts)).encode())
+    for p in parts:
+        if total <= budget:
+            step = (1 << 24) // p.itemsize  # 16 MiB at a time: a memory-mapped stream is never copied whole
+            spans = [(start, start + step) for start in range(0, len(p), step)]
+        else:  # this part's share of the budget, in 1 MiB chunks spread evenly over it
+            chunk = (1 << 20) // p.itemsize
+            count = max(1, int(budget * p.nbytes / total) >> 20)
+            spans = [(int(s), int(s) + chunk) for s in np.linspace(0, max(0, len(p) - chunk), count)]
+        for start, stop in spans:
+            h.update(memoryview(np.ascontiguousarray(p[start:stop])).cast("B"))
+    return f"{'xxh3' if total <= budget else 'xxh3-sampled'}:{h.hexdigest()}"
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Loader
 # ---------------------------------------------------------------------------------------------------------------------

@@ -132,6 +132,29 @@ def build_parser() -> argparse.ArgumentParser:
               "(default: on in a SLURM job, off in a job array task, whose next task resumes instead)")
     flag("--max-restarts", type=int, default=100, help="do not requeue once SLURM_RESTART_COUNT reaches this")
 
+    g = p.add_argument_group("mirror: a second location for checkpoints -- see checkpoint/mirror.py")
+    flag("--mirror-dir", default=None, metavar="DIR|s3://BUCKET/PREFIX",
+         help="also copy committed checkpoints to <mirror-dir>/<experiment_name>/ in the background (committed and "
+              "verified there); a failing mirror warns and never stops training; `latest` looks in both locations")
+    flag("--mirror-every", type=int, default=1, metavar="K",
+         help="mirror every K-th checkpoint's step (steps that are multiples of K); the final checkpoint always")
+    flag("--mirror-keep", type=int, default=None, metavar="K",
+         help="keep the newest K committed checkpoints in the mirror (0 = keep all; default: --max-kept-checkpoints)")
+    flag("--mirror-timeout", type=float, default=600.0, metavar="SECONDS",
+         help="at the end, wait at most this long for the final checkpoint to reach the mirror")
+
+    g = p.add_argument_group("documented and validated checkpoints -- see evaluation.py")
+    flag("--eval-windows", type=int, default=8, metavar="N",
+         help="hold the last N windows of the data out of training; at every save their loss (the probe: the first "
+              "2) goes into the checkpoint's card (0 = no held-out data: no probe, no eval loss, no --keep-best)")
+    flag("--keep-best", type=int, default=0, metavar="K",
+         help="retention also keeps the K checkpoints with the lowest held-out eval loss (`python -m checkpoint list` "
+              "marks them)")
+    flag("--validate-on-resume", action="store_true",
+         help="after loading, recompute the probe loss and compare it with the card's (bitwise on the saving layout); "
+              "a mismatch stops with exit 2")
+    flag("--checkpoint-note", default="", metavar="TEXT", help="a note stored in every checkpoint's card")
+
     g = p.add_argument_group("logging")
     flag("--logging-frequency", type=int, default=10, help="progress-bar/log update every N steps")
     flag("--log-loss-to-csv", nargs="?", const="auto", default=None, metavar="PATH",
@@ -150,7 +173,8 @@ NUMERIC_FLAGS: tuple[tuple[str, float, bool], ...] = (
     ("pg_timeout_seconds", 0, False), ("checkpoint_frequency", 0, True), ("max_async", 1, True),
     ("max_kept_checkpoints", 0, True), ("keep_every", 0, True), ("walltime_margin_seconds", 0, True),
     ("checkpoint_interval_minutes", 0, True), ("max_restarts", 0, True), ("logging_frequency", 1, True),
-    ("profile_step_start", 1, True), ("profile_step_end", 1, True),
+    ("profile_step_start", 1, True), ("profile_step_end", 1, True), ("eval_windows", 0, True), ("keep_best", 0, True),
+    ("mirror_every", 1, True), ("mirror_keep", 0, True), ("mirror_timeout", 0, False),
 )
 
 
@@ -168,6 +192,9 @@ def check_numeric_flags(args: argparse.Namespace) -> None:
             raise BadInput(f"{flag} {value:g} is out of range; give a number {need}")
     if args.seed >= 2**63:
         raise BadInput(f"--seed {args.seed} is too large; give a number below 2**63")
+    if args.eval_windows == 0 and (args.keep_best or args.validate_on_resume):
+        need = "--keep-best" if args.keep_best else "--validate-on-resume"
+        raise BadInput(f"{need} needs held-out data, but --eval-windows is 0; give --eval-windows N (e.g. 8)")
     if args.profile and args.profile_step_end < args.profile_step_start:
         raise BadInput(f"--profile-step-end {args.profile_step_end} is before --profile-step-start "
                        f"{args.profile_step_start}; give an end step >= the start step")
@@ -182,7 +209,12 @@ RESUME_REFUSED = (("model", "the weights are that model's"),
                   ("tokenizer_name_or_path", "the embeddings and the data position are that tokenizer's"),
                   ("sequence_length", "the data position counts windows of that length"),
                   ("seed", "the data order and every RNG continue from the checkpoint"),
-                  ("model_dtype", "the weights and optimizer state were trained in it"))
+                  ("model_dtype", "the weights and optimizer state were trained in it"),
+                  ("eval_windows", "the held-out windows are cut from the training data and its order"))
+
+
+# A refused flag the checkpoint does not record: the value the version that wrote it behaved as.
+ABSENT_MEANS = {"eval_windows": 0}  # before held-out data, training read every window
 
 
 def apply_resume_flags(args: argparse.Namespace, run_info: RunInfo, step: int | None,
@@ -192,6 +224,8 @@ def apply_resume_flags(args: argparse.Namespace, run_info: RunInfo, step: int | 
     differs: nothing is touched (the resumed run stays bitwise an uninterrupted one). ``step`` None: a load that failed
     part-way, only the refusals are checked (run_info loads first, so another --model is named, not its tensor shapes)."""
     saved = getattr(run_info, "saved", {}).get("config", {})
+    if saved:  # a checkpoint of a version that predates a flag was saved with what that version did
+        saved = ABSENT_MEANS | saved
     shown = lambda v: ("on" if v else "off") if isinstance(v, bool) else v  # noqa: E731
     flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
     for key, why in RESUME_REFUSED:

@@ -91,6 +91,8 @@ class Metrics:
         self.imports, self.profiler = imports, profiler
         self.csv = LossCSV(csv_path, resumed_step) if (csv_path and writer) else None
         self.last_loss = float("nan")
+        self.last_lr: float | None = None
+        self._interval: list[float] = []  # the losses since the last save (the checkpoint card's mean)
         self._row: dict | None = None
         self._t_loop = time.monotonic()
         self._load_s = 0.0
@@ -108,7 +110,8 @@ class Metrics:
             self.profiler.start()
 
     def step(self, step: int, loss: float, lr: float, grad_norm, step_s: float, tokens_seen: int, restarts: int) -> None:
-        self.last_loss = loss
+        self.last_loss, self.last_lr = loss, lr
+        self._interval.append(loss)
         self._row = {"step": step, "loss": repr(loss), "lr": repr(lr), "tokens_seen": tokens_seen, "restart": restarts}
         if self.writer and self.resumed_step is not None and step == self.resumed_step + 1:
             _log.info(self.recovery_line())  # what the restart cost (README: recovery)
@@ -137,6 +140,11 @@ class Metrics:
                  "first step": now - self._t_loop}
         return (f"recovery: first step after resume {total:.2f}s after process start ("
                 + ", ".join(f"{name} {s:.2f}s" for name, s in parts.items()) + ")")
+
+    def take_interval(self) -> list[float]:
+        """The losses of the steps since the last call (the last save)."""
+        losses, self._interval = self._interval, []
+        return losses
 
     def sync(self) -> None:
         """Before a save: the rows up to it are durable (a resume must never find fewer rows than its step)."""

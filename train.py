@@ -49,8 +49,10 @@ from checkpoint import lease as run_lease
 from checkpoint import policy as stop_policy
 from checkpoint.backends import capabilities, check_combination
 from checkpoint.jit import JustInTime, NoJIT
+from checkpoint.mirror import Mirror, refusal as mirror_refusal
 from checkpoint.state import unwrap_model
-from dataset import DataError, TrainLoader, load_token_windows, load_tokenizer
+from dataset import DataError, TrainLoader, fingerprint, hold_out, load_token_windows, load_tokenizer
+from evaluation import EVAL_BATCH, CardMaker, batch_loss, check_prediction, evaluate, run_layout
 from flags import BadInput, apply_resume_flags, build_parser, check_numeric_flags, parse_args  # noqa: F401 (tests)
 from metrics import Metrics, device_peak_flops
 from model import MemoryEstimate, Transformer, estimate_peak_memory, flash_attention_problem, get_config
@@ -118,8 +120,9 @@ class Checked:
     """What preflight found usable."""
 
     tokenizer: object
-    windows: object
+    windows: object  # what training reads
     config: object
+    held_out: object  # the --eval-windows training never sees (evaluation.py), or None
     run_root: Path  # a local folder or s3://bucket/prefix
     backend: object
     lease: run_lease.Lease | None  # rank 0 on a local run directory: one writer per run directory
@@ -129,9 +132,11 @@ def preflight(args: argparse.Namespace, env: distributed.DistEnv) -> Checked:
     """Everything that can be wrong with the user's input, checked on every rank before any collective or training
     time: numbers first (instant), then the memory the configuration needs (as soon as the tokenizer gives the
     vocabulary), then the data (tokenizing may take minutes), then the checkpoint directory."""
-    tokenizer, windows, config = check_inputs(args, env)
+    tokenizer, windows, config, held_out = check_inputs(args, env)
     check_combination(args.checkpoint_backend, sharded=args.distributed and args.parallel == "fsdp",
                       checkpoint_dir=args.checkpoint_dir, async_save=args.async_checkpoint, jit=args.jit_checkpoint)
+    if args.mirror_dir and (why := mirror_refusal(args.checkpoint_dir, args.mirror_dir, args.experiment_name)):
+        raise BadInput(why)
     run_root = storage.as_path(args.checkpoint_dir) / args.experiment_name
     backend = make_backend(args.checkpoint_backend, env,
                            **backend_options(args, env))
@@ -140,25 +145,26 @@ def preflight(args: argparse.Namespace, env: distributed.DistEnv) -> Checked:
         layout.ensure_writable(run_root)  # fail now, not at the first save hours from now
         if not storage.is_remote(run_root):  # one writer per run directory (checkpoint/lease.py)
             lease = run_lease.acquire(run_root, force=args.force_takeover)
-    return Checked(tokenizer, windows, config, run_root, backend, lease)
+    return Checked(tokenizer, windows, config, held_out, run_root, backend, lease)
 
 
 def check_inputs(args: argparse.Namespace, env: distributed.DistEnv):
-    """The flags' numbers, flash-attn, the memory the configuration needs, and the data. Returns (tokenizer, token
-    windows, model config)."""
+    """The flags' numbers, flash-attn, the memory the configuration needs, and the data. Returns (tokenizer, training
+    windows, model config, held-out windows or None)."""
     check_numeric_flags(args)
     if args.use_flash_attention and (problem := flash_attention_problem(env.device)):
         raise BadInput(problem)
     tokenizer = load_tokenizer(args.tokenizer_name_or_path)
     config = get_config(args.model, vocab_size=tokenizer.vocab_size, max_seq_len=args.sequence_length)
     check_memory(args, env, config)
-    windows = load_token_windows(args.dataset, tokenizer, args.sequence_length)
+    windows, held_out = hold_out(load_token_windows(args.dataset, tokenizer, args.sequence_length), args.eval_windows)
     if len(windows) < args.batch_size * env.world_size:
         raise BadInput(
-            f"--sequence-length {args.sequence_length} leaves {len(windows)} samples in {args.dataset}, fewer than one "
-            f"global batch ({args.batch_size} x {env.world_size} ranks); use a shorter sequence or a larger dataset"
+            f"--sequence-length {args.sequence_length} leaves {len(windows)} training samples in {args.dataset} "
+            f"({args.eval_windows} held out by --eval-windows), fewer than one global batch ({args.batch_size} x "
+            f"{env.world_size} ranks); use a shorter sequence, fewer --eval-windows or a larger dataset"
         )
-    return tokenizer, windows, config
+    return tokenizer, windows, config, held_out
 
 
 def backend_options(args: argparse.Namespace, env: distributed.DistEnv) -> dict:
@@ -263,9 +269,10 @@ class Checkpointing:
 
     def __init__(self, args: argparse.Namespace, env: distributed.DistEnv, manager: CheckpointManager,
                  state: CheckpointState, lease: run_lease.Lease | None, resumed_step: int | None,
-                 policy: stop_policy.StepBoundary):
+                 policy: stop_policy.StepBoundary, describe):
         self.args, self.env, self.manager, self.state, self.lease = args, env, manager, state, lease
         self.resumed_step, self.policy = resumed_step, policy
+        self.describe = describe  # (step, metrics, evaluate) -> the checkpoint's manifest meta (its card)
         self.saved_at: int | None = None
         self.failed_at: int | None = None  # --on-save-error continue: the final checkpoint must still exist
 
@@ -277,7 +284,7 @@ class Checkpointing:
             self.manager.poll()  # surface background save errors at a step boundary
             if decision.save:
                 metrics.sync()
-                self.manager.save(step, self.state)
+                self.manager.save(step, self.state, meta=self.describe(step, metrics, evaluate=True))
                 self.saved_at = step
         except run_lease.Fenced:
             pass  # a newer incarnation owns the run directory: the policy's next vote stops every rank, saving nothing
@@ -340,9 +347,15 @@ def build_checkpointing(args: argparse.Namespace, run: Run, checked: Checked, si
         lease = run_lease.Lease(checked.run_root, run_id[1])
     if lease is not None and env.is_main:
         lease.start_heartbeat()
+    mirror = None  # --mirror-dir: rank 0 copies every committed checkpoint (checkpoint/mirror.py)
+    if args.mirror_dir and env.is_main:
+        mirror = Mirror(storage.as_path(args.mirror_dir) / args.experiment_name, run_id=run_id[0],
+                        every=args.mirror_every, keep_every=args.keep_every, timeout_s=args.mirror_timeout,
+                        keep=args.max_kept_checkpoints if args.mirror_keep is None else args.mirror_keep)
     manager = CheckpointManager(checked.run_root, checked.backend, env,
                                 run_id=run_id[0], keep=args.max_kept_checkpoints, keep_every=args.keep_every,
-                                lease=lease)
+                                keep_best=args.keep_best,
+                                lease=lease, mirror=mirror)
 
     # Crashed incarnations' leftovers go, `latest` (or the given step) is loaded, and newer checkpoints of a line the
     # run no longer follows are moved aside, so a later `latest` cannot jump back to them.
@@ -365,7 +378,48 @@ def build_checkpointing(args: argparse.Namespace, run: Run, checked: Checked, si
     policy = stop_policy.from_args(args, rank=env.rank, agree=lambda v: distributed.all_reduce_max(v, env),
                                    signals=signals, save_history=manager.history, start=started,
                                    fenced=(lambda: manager.fenced) if env.is_main else None)
-    return Checkpointing(args, env, manager, state, lease, step, policy)
+    if step is not None and args.validate_on_resume:
+        validate_loaded(args, run, checked, manager.loaded)
+    return Checkpointing(args, env, manager, state, lease, step, policy, documenter(args, run, checked, started))
+
+
+def documenter(args: argparse.Namespace, run: Run, checked: Checked, started: float):
+    """The card every checkpoint carries (evaluation.py): the run's facts, the interval's losses, and -- at a periodic
+    save -- the held-out losses. The evaluation runs where it must: rank 0, and every rank under FSDP (its forward
+    gathers the shards)."""
+    env, model = run.env, unwrap_model(run.model)
+    probe = checked.held_out.batch(range(min(EVAL_BATCH, len(checked.held_out)))) if checked.held_out else None
+    parts = [checked.windows.tokens] + ([checked.held_out.tokens] if checked.held_out else [])
+    make = CardMaker(args, env, checked.config, model.num_params(), checked.tokenizer.name, fingerprint(*parts), probe,
+                     started, __version__)
+    everyone = env.distributed and args.parallel == "fsdp"
+
+    def describe(step: int, metrics: Metrics, evaluate_now: bool) -> dict:
+        evaluation = None
+        if evaluate_now and checked.held_out is not None and (env.is_main or everyone):
+            evaluation = evaluate(model, checked.held_out, env.device, run.autocast)
+        return {"card": make(step=step, tokens_seen=run.train.tokens_seen, losses=metrics.take_interval(),
+                             lr=metrics.last_lr, evaluation=evaluation)}
+
+    return lambda step, metrics, evaluate=False: describe(step, metrics, evaluate)
+
+
+def validate_loaded(args: argparse.Namespace, run: Run, checked: Checked, info: layout.CheckpointInfo) -> None:
+    """--validate-on-resume: the loaded weights must predict the probe batch as they did at save time (every rank
+    computes it: the same answer everywhere, so all refuse together)."""
+    knobs.swap_after_load(unwrap_model(run.model))  # test-only: a wrong load that passes every checksum
+    card = info.manifest.get("meta", {}).get("card", {})
+    if "eval" not in card:
+        raise BadInput(f"--validate-on-resume: {info.path} records no probe loss (a just-in-time save, or saved "
+                       "without held-out data); resume without --validate-on-resume, or from another step")
+    probe = torch.tensor(card["eval"]["probe_tokens"], dtype=torch.long)
+    loss = batch_loss(unwrap_model(run.model), probe, run.env.device, run.autocast)
+    ok, line = check_prediction(card, loss, run_layout(args, run.env))
+    if not ok:
+        raise BadInput(f"--validate-on-resume: {info.path} failed validation: {line}; the weights do not predict "
+                       "as saved (a wrong load), so nothing was trained; resume from another step or check the "
+                       "checkpoint with `python -m checkpoint validate`")
+    log.info(f"validate-on-resume: step {info.step} OK, {line}")
 
 
 def build_metrics(args: argparse.Namespace, run: Run, ckpt: Checkpointing, tokenizer) -> Metrics:
@@ -396,7 +450,7 @@ def build_jit(args: argparse.Namespace, run: Run, ckpt: Checkpointing, metrics: 
         return NoJIT()
     log.info(f"jit: just-in-time checkpointing on (rank {run.env.rank})", extra=logs.EVERY_RANK)
     return JustInTime(ckpt.manager, ckpt.state, reseed=lambda r: seed_everything(args.seed + r),
-                      ensure_logged=metrics.ensure_logged)
+                      ensure_logged=metrics.ensure_logged, describe=lambda step: ckpt.describe(step, metrics))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

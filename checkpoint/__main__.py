@@ -1,11 +1,17 @@
-"""`python -m checkpoint list|verify|inspect PATH` — look at checkpoints without training; `convert` between formats.
+"""`python -m checkpoint list|verify|inspect PATH` — look at checkpoints without training; `convert` between formats;
+`export` to Hugging Face.
 
-    list DIR       every step folder under an experiment folder: step, size, committed, valid
+    list DIR       every step folder under an experiment folder: step, tokens, loss, eval loss, time, size, status
+                   (latest, the --keep-best ones, just-in-time saves)
     verify PATH    check sizes and checksums of one step folder, or of every committed one under DIR (exit 1 if bad)
-    inspect PATH   what a checkpoint holds: manifest, files, tensors of the model section
+    validate PATH  recompute the probe loss of one step folder or of every committed one under DIR from the weights
+                   alone and compare it with the card's (exit 1 if a checkpoint does not predict as saved)
+    inspect PATH   what a checkpoint holds: manifest, card, files, tensors of the model section
     convert SRC DST --to vanilla|dcp
                    rewrite a checkpoint (step or experiment folder) in the other format under DST, committed
-PATH/SRC/DST may be s3://bucket/prefix (AWS_* variables; the s3 extra).
+    export SRC OUT --to hf [--max-shard-size 2GB] [--dtype D] [--tokenizer T] [--force]
+                   write SRC's model as a Hugging Face Llama folder (safetensors, config.json, tokenizer files)
+PATH/SRC/DST may be s3://bucket/prefix (AWS_* variables; the s3 extra); export's OUT is a local folder.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from . import layout, logs, storage
@@ -29,22 +36,59 @@ def _targets(path: Path) -> list[layout.CheckpointInfo]:
     return layout.list_checkpoints(path)
 
 
+def _card(info: layout.CheckpointInfo) -> dict:
+    return (info.manifest or {}).get("meta", {}).get("card", {})
+
+
+def _count(n) -> str:
+    if not isinstance(n, (int, float)):
+        return "-"
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(int(n))
+
+
+def _num(x, fmt: str = ".4f") -> str:
+    return format(x, fmt) if isinstance(x, (int, float)) else "-"
+
+
 def cmd_list(path: Path) -> int:
     infos = layout.list_checkpoints(path)
     if not infos:
         raise CheckpointError(f"no checkpoints under {path} (expected an experiment folder holding step-N folders)")
     latest = layout.resolve(path, "latest", quiet=True)
-    print(f"{'step':>10}  {'size MiB':>9}  {'backend':<10} {'ranks':>5}  status")
     for info in infos:
-        status, backend, ranks = "uncommitted (interrupted save)", "-", "-"
         if info.committed:
             try:
                 info.manifest = layout.verify(info.path)
-                status = "valid" + ("  <- latest" if latest and latest.step == info.step else "")
-                backend, ranks = info.manifest["backend"], str(info.manifest["world_size"])
             except CheckpointError as e:
-                status = f"INVALID: {e}"
-        print(f"{info.step:>10}  {info.size_bytes / MiB:>9.1f}  {backend:<10} {ranks:>5}  {status}")
+                info.problems.append(str(e))
+    # The --keep-best checkpoints (as the newest card says); without --keep-best, the single lowest eval loss.
+    newest = next((i for i in reversed(infos) if i.manifest), None)
+    keep_best = _card(newest).get("retention", {}).get("keep_best", 0) if newest else 0
+    best = layout.best_steps([i for i in infos if i.manifest], keep_best or 1)
+    print(f"{'step':>10} {'tokens':>8} {'loss':>8} {'eval':>8}  {'saved (UTC)':<19} {'size MiB':>9}  {'backend':<10} "
+          f"{'ranks':>5}  status")
+    for info in infos:
+        card = _card(info)
+        progress, saved = card.get("progress", {}), card.get("time", {}).get("saved_utc", "")
+        if not saved and info.manifest:
+            saved = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(info.manifest.get("created_unix", 0)))
+        status, backend, ranks = "uncommitted (interrupted save)", "-", "-"
+        if info.problems:
+            status = f"INVALID: {info.problems[0]}"
+        elif info.manifest:
+            backend, ranks = info.manifest["backend"], str(info.manifest["world_size"])
+            marks = ["<- latest"] if latest and latest.step == info.step else []
+            if info.step in best:
+                marks.append(f"best #{best.index(info.step) + 1}" if keep_best else "lowest eval")
+            if info.manifest.get("meta", {}).get("jit"):
+                marks.append("just-in-time")
+            status = "  ".join(["valid"] + marks)
+        print(f"{info.step:>10} {_count(progress.get('tokens_seen')):>8} {_num(progress.get('loss_last')):>8} "
+              f"{_num(card.get('eval', {}).get('eval_loss')):>8}  {saved.replace('T', ' ')[:19]:<19} "
+              f"{info.size_bytes / MiB:>9.1f}  {backend:<10} {ranks:>5}  {status}")
     return 0
 
 
@@ -68,6 +112,20 @@ def cmd_verify(path: Path) -> int:
     return 1 if bad else 0
 
 
+def _show_card(card: dict) -> None:
+    """The card as `section.key: value` lines (the probe's tokens as their count)."""
+    for section, values in card.items():
+        if not isinstance(values, dict):
+            print(f"  {section}: {values}")
+            continue
+        for key, value in values.items():
+            if key == "probe_tokens":
+                value = f"{len(value)} x {len(value[0]) if value else 0} tokens"
+            elif isinstance(value, dict):
+                value = ", ".join(f"{k}={v}" for k, v in value.items())
+            print(f"  {section}.{key}: {value}")
+
+
 def cmd_inspect(path: Path) -> int:
     targets = _targets(path) if not path.is_file() else None
     if targets == []:
@@ -75,9 +133,18 @@ def cmd_inspect(path: Path) -> int:
     info = targets[-1] if targets else None
     if info is not None:
         manifest = layout.verify(info.path)
-        print(json.dumps({k: v for k, v in manifest.items() if k != "files"}, indent=1))
+        meta = manifest.get("meta", {})
+        print(json.dumps({k: v for k, v in manifest.items() if k not in ("files", "meta")}, indent=1))
+        extra = {k: v for k, v in meta.items() if k != "card"}
+        if extra:
+            print(f"meta: {json.dumps(extra)}")
+        if meta.get("card"):
+            print("card:")
+            _show_card(meta["card"])
+        algorithm = manifest.get("checksum", "crc32")
+        print("files:")
         for name, rec in manifest["files"].items():
-            print(f"  {name:<40} {rec['size'] / MiB:9.2f} MiB  crc32 {rec.get('crc32')}")
+            print(f"  {name:<40} {rec['size'] / MiB:9.2f} MiB  {algorithm} {rec.get(algorithm)}")
     tensors = read_section(info.path if info else path, "model")
     total = 0
     for name, t in tensors.items():
@@ -88,16 +155,47 @@ def cmd_inspect(path: Path) -> int:
     return 0
 
 
+def cmd_validate(path: Path, device: str = "cpu") -> int:
+    """Recompute each committed checkpoint's probe loss from its weights alone and compare it with its card."""
+    from evaluation import validate_checkpoint  # the model definition lives with the training script
+
+    bad = 0
+    for info in _targets(path):
+        if not info.committed:
+            print(f"{info.path}: not committed")
+            bad += 1
+            continue
+        try:
+            manifest = layout.verify(info.path)
+        except CheckpointError as e:
+            print(f"{info.path}: FAILED: {e}")
+            bad += 1
+            continue
+        ok, line = validate_checkpoint(info.path, manifest, device)
+        print(f"{info.path}: {'OK' if ok else 'FAILED'}: {line}")
+        bad += not ok
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m checkpoint", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("list", "verify", "inspect"):
+    for name in ("list", "verify", "inspect", "validate"):
         sub.add_parser(name).add_argument("path", type=storage.as_path)
+    sub.choices["validate"].add_argument("--device", default="cpu", help="where to recompute (default cpu)")
     conv = sub.add_parser("convert", help="rewrite a checkpoint in another backend's format")
     conv.add_argument("src", help="step folder, or experiment folder (its latest)")
     conv.add_argument("dst", help="experiment folder (result: DST/step-N) or a step-N folder")
     conv.add_argument("--to", required=True, choices=["vanilla", "dcp"])
+    exp = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face Llama folder")
+    exp.add_argument("src", help="step folder, or experiment folder (its latest)")
+    exp.add_argument("out", help="folder to create (empty or absent; --force replaces an earlier export)")
+    exp.add_argument("--to", required=True, choices=["hf"])
+    exp.add_argument("--max-shard-size", default="2GB", help="largest safetensors file, e.g. 2GB, 500MB (default 2GB)")
+    exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: as saved)")
+    exp.add_argument("--tokenizer", help="tokenizer name or path (default: the one the run trained with)")
+    exp.add_argument("--force", action="store_true", help="replace a non-empty OUT (never a checkpoint folder)")
     logs.setup()  # e.g. convert's line
     try:
         args = p.parse_args(argv)  # inside: an s3:// path without a bucket is a CheckpointError too
@@ -106,8 +204,16 @@ def main(argv: list[str] | None = None) -> int:
 
             convert(args.src, args.dst, args.to)
             return 0
+        if args.cmd == "export":
+            from .export import export_hf
+
+            export_hf(args.src, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype,
+                      tokenizer=args.tokenizer, force=args.force)
+            return 0
         if not args.path.exists():
             raise CheckpointError(f"{args.path} does not exist")
+        if args.cmd == "validate":
+            return cmd_validate(args.path, args.device)
         return {"list": cmd_list, "verify": cmd_verify, "inspect": cmd_inspect}[args.cmd](args.path)
     except (CheckpointError, OSError) as e:  # bad input is one line, never a traceback
         print(f"error: {e}", file=sys.stderr)

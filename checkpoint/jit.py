@@ -62,6 +62,7 @@ import torch.distributed as dist
 
 from . import layout
 from .errors import CheckpointError
+from .lease import Fenced
 from .fsio import atomic_write_bytes
 from .logs import EVERY_RANK
 from .manager import CheckpointManager
@@ -126,12 +127,14 @@ class JustInTime(NoJIT):
 
     def __init__(self, manager: CheckpointManager, state: CheckpointState, *,
                  reseed: Callable[[int], None] | None = None,
-                 ensure_logged: Callable[[int], None] = lambda step: None):
+                 ensure_logged: Callable[[int], None] = lambda step: None,
+                 describe: Callable[[int], dict] = lambda step: {}):
         self.manager = manager
         self.state = state
         self.rank = manager.rank
         self.reseed = reseed
         self.ensure_logged = ensure_logged  # the metrics' row repair (train.py): the CSV gets the saved step's row
+        self.describe = describe  # the card's manifest meta without evaluation (no forward in a failure path)
         self.phase = BETWEEN_STEPS
         self._snapshot: dict[str, Any] = {}
 
@@ -161,6 +164,10 @@ class JustInTime(NoJIT):
             _tell(f"jit: rank {r} noticed the failure inside the optimizer step; its parameters may be half-updated, "
                      "so it does not save")
             return False
+        if self.manager.lease is not None:
+            # A partitioned rank of a stale incarnation must not even claim the save: the run directory is the new
+            # owner's (raises Fenced: exit 6, nothing written).
+            self.manager.lease.check("just-in-time save")
         t0 = time.perf_counter()
         step = int(self.state["train_state"].step)
         _tell(f"jit: rank {r} noticed a failure during the {self.phase} of step {step + 1} ({one_line(exc)}); "
@@ -180,7 +187,9 @@ class JustInTime(NoJIT):
         try:
             self.ensure_logged(step)
             pieces, meta = self._pieces()
-            path = self.manager.save_alone(step, pieces, meta=meta)
+            path = self.manager.save_alone(step, pieces, meta=meta | self.describe(step))
+        except Fenced:
+            raise
         except (OSError, CheckpointError) as e:
             _tell(f"jit: rank {r} could not save step {step}: {one_line(e)}; resume falls back to the last "
                      "periodic checkpoint")

@@ -19,6 +19,8 @@ PYRECOVER_STEP_SLEEP=SECONDS                   policy.py (StepBoundary)         
   tiny model. Changes timing only, never the numbers.
 PYRECOVER_TEST_PERSIST_DELAY_S=SECONDS         backends/concurrent.py               test-only    persist_delay_s()
   each payload file takes that much longer to persist (a slow disk: the CLI tests watch several saves in flight).
+PYRECOVER_MIRROR_DELAY_S=SECONDS               mirror.py                            test-only    mirror_delay_s()
+  the mirror's copier sleeps that long before each file (a slow mirror: a test kills the run mid-copy).
 PYRECOVER_LEASE_HEARTBEAT_S=SECONDS            lease.py (HEARTBEAT_S, at import)    test-only    lease_heartbeat_s()
   how often the lease holder touches its record (default 10).
 PYRECOVER_LEASE_TIMEOUT_S=SECONDS              lease.py (TIMEOUT_S, at import)      test-only    lease_timeout_s()
@@ -29,6 +31,9 @@ PYRECOVER_CRASH_AT_STEP=k[:rank[:MODE]]        train.py                         
   ``kill`` (SIGKILL, default), ``raise`` or ``hang``.
 PYRECOVER_PROGRESS=1                           train.py                             test-only    force_progress()
   plain progress lines even when stderr is not a terminal.
+PYRECOVER_SWAP_AFTER_LOAD=NAME,NAME            train.py                             test-only    swap_after_load()
+  after a resume's load, swap two parameters of the same shape (e.g. ``layers.0.attention.wq.weight,
+  layers.0.attention.wo.weight``): a wrong load that every checksum passes, for --validate-on-resume to catch.
 
 Never set the test-only ones in normal use. The accessors take an optional ``environ`` mapping (default
 ``os.environ``) so a test can pass its own.
@@ -86,6 +91,11 @@ def step_sleep_s(environ: Mapping[str, str] | None = None) -> float:
 def persist_delay_s(environ: Mapping[str, str] | None = None) -> float:
     """PYRECOVER_TEST_PERSIST_DELAY_S: extra seconds per payload file of the concurrent backend (0 when unset)."""
     return _seconds("PYRECOVER_TEST_PERSIST_DELAY_S", 0.0, environ)
+
+
+def mirror_delay_s(environ: Mapping[str, str] | None = None) -> float:
+    """PYRECOVER_MIRROR_DELAY_S: seconds the mirror's copier sleeps before each file (0 when unset)."""
+    return _seconds("PYRECOVER_MIRROR_DELAY_S", 0.0, environ)
 
 
 def lease_heartbeat_s(environ: Mapping[str, str] | None = None) -> float:
@@ -159,7 +169,7 @@ def install_crash_hook(model, rank: int, current_step) -> None:
     import time
 
     def hook(module, inputs, output):  # noqa: ARG001
-        if current_step() + 1 != at_step:
+        if not module.training or current_step() + 1 != at_step:  # eval forwards (evaluation.py) are not the step
             return
         print(f"[crash] rank {rank}: {mode} after the forward pass of step {at_step}", flush=True)
         if mode == "raise":
@@ -170,3 +180,18 @@ def install_crash_hook(model, rank: int, current_step) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     model.register_forward_hook(hook)
+
+
+def swap_after_load(model, environ: Mapping[str, str] | None = None) -> None:
+    """PYRECOVER_SWAP_AFTER_LOAD (test-only): swap two same-shape parameters of ``model`` in place."""
+    spec = _env(environ).get("PYRECOVER_SWAP_AFTER_LOAD", "")
+    if not spec:
+        return
+    import torch
+
+    a, b = (dict(model.named_parameters())[name] for name in spec.split(","))
+    with torch.no_grad():
+        tmp = a.detach().clone()
+        a.copy_(b)
+        b.copy_(tmp)
+    print(f"[knob] swapped {spec} after the load", flush=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import json
+import math
 import os
 import re
 import shutil
@@ -122,12 +123,30 @@ def commit(step_dir: Path, step: int, world_size: int, backend: str, parts: list
         "meta": meta or {},
         "created_unix": time.time(),
     }
-    data = json.dumps(manifest, indent=1).encode()
-    rec = storage.write_bytes(step_dir / MANIFEST, data)
+    write_commit(step_dir, json.dumps(manifest, indent=1).encode())
+
+
+def write_commit(step_dir: Path, manifest: bytes) -> None:
+    """Write the manifest's bytes, then COMMITTED (naming their checksum), then make the folder's name durable. Also
+    how a copy of a checkpoint is committed (mirror.py): the same bytes give the same marker."""
+    rec = storage.write_bytes(step_dir / MANIFEST, manifest)
     fault_point("after_manifest_before_commit", step_dir)
     marker = {f"manifest_{CHECKSUM_ALGORITHM}": rec[CHECKSUM_ALGORITHM]}
     storage.write_bytes(step_dir / COMMITTED, json.dumps(marker).encode())
     storage.sync_dir(step_dir.parent)
+
+
+def prepare_step_dir(step_dir: Path) -> None:
+    """An empty folder to write a checkpoint into. In place (object storage): an earlier attempt at this step is
+    un-committed first, so a crash here leaves nothing `latest` picks; the previous checkpoints stay intact. Local: it
+    is a staging folder, and what is there is our own leftover of a failed attempt."""
+    if storage.is_remote(step_dir):
+        if step_dir.exists():
+            (step_dir / COMMITTED).unlink(missing_ok=True)
+            storage.rmtree(step_dir)
+    elif step_dir.exists():
+        storage.rmtree(step_dir)
+    step_dir.mkdir(parents=True)
 
 
 # --- reading -------------------------------------------------------------------------------------------------------
@@ -291,18 +310,8 @@ def resolve(root: Path, spec: str, *, quiet: bool = False, keep: bool = False) -
     the user asked for that one, so silently using another would be wrong.
     """
     root = storage.as_path(root)
-    warn = (lambda m: None) if quiet else (lambda m: _log.warning(f"warning: {m}"))
     if spec == "latest":
-        for info in reversed(list_checkpoints(root)):
-            if not info.committed:
-                warn(f"skipping {info.path}: not committed (interrupted save)")
-                continue
-            try:
-                info.manifest = verify(info.path, keep=keep)
-                return info
-            except CheckpointError as e:
-                warn(f"skipping {info.path}: {e}")
-        return None
+        return resolve_latest([root], quiet=quiet, keep=keep)
     if spec.isdigit():
         path = root / step_dir_name(int(spec))
     else:
@@ -318,18 +327,67 @@ def resolve(root: Path, spec: str, *, quiet: bool = False, keep: bool = False) -
     return info
 
 
+def resolve_latest(roots: list, *, quiet: bool = False, keep: bool = False) -> CheckpointInfo | None:
+    """The newest (by numeric step) committed checkpoint under any of ``roots`` that verifies; on a tie the earlier
+    root wins. Each one skipped is named in a warning. A root that cannot be listed (gone, unreachable) is skipped with
+    a warning when another root answers; when none found a checkpoint, its error is raised: starting fresh over a
+    checkpoint folder that cannot be read would lose the run."""
+    warn = (lambda m: None) if quiet else (lambda m: _log.warning(f"warning: {m}"))
+    candidates, unreadable = [], []
+    for order, root in enumerate(storage.as_path(r) for r in roots):
+        try:
+            candidates += [(info.step, -order, info) for info in list_checkpoints(root)]
+        except OSError as e:
+            unreadable.append(f"cannot list {root}: {e.strerror or e}")
+            warn(f"skipping {root}: {e.strerror or e}")
+    for _, _, info in sorted(candidates, key=lambda c: c[:2], reverse=True):
+        if not info.committed:
+            warn(f"skipping {info.path}: not committed (interrupted save)")
+            continue
+        try:
+            info.manifest = verify(info.path, keep=keep)
+            return info
+        except CheckpointError as e:
+            warn(f"skipping {info.path}: {e}")
+        except OSError as e:  # e.g. an object store that stopped answering mid-way
+            warn(f"skipping {info.path}: {e.strerror or e}")
+    if unreadable:
+        raise CheckpointError(f"{unreadable[0]}; no other checkpoint location has a valid checkpoint")
+    return None
+
+
 # --- retention -----------------------------------------------------------------------------------------------------
 
 
-def apply_retention(root: Path, keep: int, *, keep_every: int = 0, in_flight: set[int] = frozenset(),
-                    guard: Callable[[str], None] = _no_guard, own_staging: str = "") -> list[int]:
+def eval_loss(info: CheckpointInfo) -> float | None:
+    """The held-out loss in a committed checkpoint's card (evaluation.py), or None (none recorded, or unreadable)."""
+    try:
+        manifest = info.manifest or read_manifest(info.path)
+    except (CheckpointError, OSError):
+        return None
+    value = manifest.get("meta", {}).get("card", {}).get("eval", {}).get("eval_loss")
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def best_steps(infos: list[CheckpointInfo], k: int) -> list[int]:
+    """The steps of the ``k`` committed checkpoints with the lowest eval loss, best first (ties: the newer)."""
+    if k <= 0:
+        return []
+    scored = [(loss, -i.step) for i in infos if i.committed and (loss := eval_loss(i)) is not None]
+    return [-neg_step for _, neg_step in sorted(scored)[:k]]
+
+
+def apply_retention(root: Path, keep: int, *, keep_every: int = 0, keep_best: int = 0,
+                    in_flight: set[int] = frozenset(), guard: Callable[[str], None] = _no_guard,
+                    own_staging: str = "", label: str = "retention") -> list[int]:
     """Delete committed checkpoints beyond the newest ``keep`` (by numeric step). Returns the deleted steps.
 
-    Never deletes: the newest committed checkpoint, anything in flight, milestones (step % keep_every == 0), and
+    Never deletes: the newest committed checkpoint, anything in flight, milestones (step % keep_every == 0), the
+    ``keep_best`` ones with the lowest held-out eval loss (Lightning's save_top_k), and
     uncommitted folders newer than the newest committed one (they may be a save in progress on object storage, which
     writes in place). Also sweeps staging folders of other incarnations (``own_staging`` is ours): the lease makes
     them dead, since they can never be published. ``guard(what)`` raises if this incarnation is fenced. Called only
-    after a new checkpoint has committed.
+    after a new checkpoint has committed. ``label`` begins each log line (the mirror's retention says so).
     """
     if keep <= 0 and not storage.is_remote(root):
         _sweep_other_staging(storage.as_path(root), own_staging, guard)
@@ -342,6 +400,7 @@ def apply_retention(root: Path, keep: int, *, keep_every: int = 0, in_flight: se
         return []
     newest = committed[-1].step
     keep_steps = {i.step for i in committed[-max(keep, 1):]} | {newest} | set(in_flight)
+    keep_steps |= set(best_steps(committed, keep_best))
     doomed = [i for i in committed if i.step not in keep_steps and not (keep_every and i.step % keep_every == 0)]
     # Stale partial folders older than the newest commit are leftovers of a crash; they never become loadable.
     doomed += [i for i in infos if not i.committed and i.step < newest and i.step not in in_flight]
@@ -355,7 +414,7 @@ def apply_retention(root: Path, keep: int, *, keep_every: int = 0, in_flight: se
         except FileNotFoundError:
             pass
         storage.rmtree(info.path)
-        _log.info(f"retention: removed {info.path.name}")
+        _log.info(f"{label}: removed {info.path.name}")
     if doomed:
         storage.sync_dir(storage.as_path(root))
     if not storage.is_remote(root):
@@ -453,8 +512,9 @@ def retire_newer(root: Path, step: int, *, keep_files: tuple[str, ...] = (), gua
                  ) -> Path | None:
     """The run continues from ``step``: move every checkpoint newer than it (a line the user left) to
     ``root/retired/<UTC time>-after-step-<step>/``, with a copy of ``keep_files``, so `latest` can never return to that
-    line. Nothing is deleted. Returns the folder, or None if there was nothing to retire."""
-    root = Path(root)
+    line. Nothing is deleted. Returns the folder, or None if there was nothing to retire. Object storage (a mirror,
+    mirror.py) too: there a move is a copy, and the source loses its COMMITTED before any other object."""
+    root = storage.as_path(root)
     newer = [i for i in list_checkpoints(root) if i.step > step]
     if not newer:
         return None
@@ -463,11 +523,11 @@ def retire_newer(root: Path, step: int, *, keep_files: tuple[str, ...] = (), gua
     dest.mkdir(parents=True, exist_ok=True)
     for name in keep_files:
         if (root / name).is_file():
-            shutil.copy2(root / name, dest / name)
+            storage.copy_file(root / name, dest / name)
     for info in newer:
         info.path.rename(dest / info.path.name)
-    fsync_dir(dest)
-    fsync_dir(root)
+    storage.sync_dir(dest)
+    storage.sync_dir(root)
     _log.info(f"run directory: continuing from step {step}; moved the newer checkpoints of the abandoned line "
         f"({', '.join(str(i.step) for i in newer)}) to {dest} (delete it when you no longer need them)")
     return dest

@@ -24,6 +24,7 @@ from .backends.base import BackgroundTask
 from .errors import CheckpointError
 from .fsio import io_mode, is_disk_full
 from .lease import Fenced, Lease
+from .mirror import Mirror
 from .state import CheckpointState
 
 _log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class SaveRecord:
     step: int
     blocking_s: float
     durable_s: float = 0.0
+    mirror_s: float = 0.0  # until this checkpoint was also in the mirror (mirror.py; 0: not mirrored)
     bytes: int = 0
 
 
@@ -67,8 +69,10 @@ class CheckpointManager:
         run_id: str,
         keep: int = 0,
         keep_every: int = 0,
+        keep_best: int = 0,
         commit_timeout_s: float = 1800.0,
         lease: Lease | None = None,
+        mirror: Mirror | None = None,
     ):
         self.root = storage.as_path(root)  # a local Path or an s3:// S3Path
         self.backend = backend
@@ -76,17 +80,23 @@ class CheckpointManager:
         self.run_id = run_id
         self.keep = keep
         self.keep_every = keep_every
+        self.keep_best = keep_best
         self.commit_timeout_s = commit_timeout_s
         self.lease = lease  # one writer per run directory: None on object storage (no exclusive create there)
+        self.mirror = mirror  # --mirror-dir, rank 0: committed checkpoints copied to a second location
+        if mirror is not None:
+            mirror.guard = self._guard
         self._fenced_logged = False
         self.in_flight: deque[SaveHandle] = deque()
         self.history: list[SaveRecord] = []
         self.load_seconds = 0.0
+        self.loaded: layout.CheckpointInfo | None = None  # what load() restored (its manifest holds the card)
 
     # --- save ----------------------------------------------------------------------------------------------------
-    def save(self, step: int, state: CheckpointState) -> SaveHandle:
+    def save(self, step: int, state: CheckpointState, meta: dict | None = None) -> SaveHandle:
         """Start saving ``state`` as ``step``. Returns once the state is captured; the backend decides whether the bytes
-        land before (vanilla) or after (async backends) this returns. Raises errors of earlier background saves."""
+        land before (vanilla) or after (async backends) this returns. Raises errors of earlier background saves.
+        ``meta``: what rank 0 records in the manifest (the checkpoint's card)."""
         self._reap(block_until_below=self.backend.max_in_flight)
         t0 = time.perf_counter()
         staged = not storage.is_remote(self.root)  # object storage has no rename: it writes in place, COMMITTED last
@@ -116,9 +126,10 @@ class CheckpointManager:
                     parts = layout.wait_for_part_records(step_dir, self.rank.world_size, self.commit_timeout_s,
                                                          self.run_id, guard=self._guard)
                     self._guard(f"commit step {step}")
-                    layout.commit(step_dir, step, self.rank.world_size, self.backend.name, parts)
+                    layout.commit(step_dir, step, self.rank.world_size, self.backend.name, parts, meta=meta)
+                    published = step_dir
                     if staged:
-                        layout.publish(step_dir, self.root, step, guard=self._guard, tag=self.run_id)
+                        published = layout.publish(step_dir, self.root, step, guard=self._guard, tag=self.run_id)
                     record.bytes = sum(r["size"] for p in parts for r in p["files"].values())
             except (OSError, CheckpointError) as e:
                 error = self._save_failed(step, step_dir, e)
@@ -132,8 +143,12 @@ class CheckpointManager:
                 # list(): a C-level copy, atomic under the GIL; iterating the deque itself from this background thread
                 # races with the training thread appending/reaping ("deque mutated during iteration").
                 in_flight = {h.step for h in list(self.in_flight) if h.step != step}
+                if self.mirror is not None:  # before retention, which must keep what the mirror will still read
+                    self.mirror.submit(step, published, record)
+                    in_flight |= self.mirror.protected()
                 try:
-                    layout.apply_retention(self.root, self.keep, keep_every=self.keep_every, in_flight=in_flight,
+                    layout.apply_retention(self.root, self.keep, keep_every=self.keep_every, keep_best=self.keep_best,
+                                           in_flight=in_flight,
                                            guard=self._guard, own_staging=step_dir.parent.name)
                 except Fenced as e:
                     self._note_fenced(e)
@@ -190,15 +205,7 @@ class CheckpointManager:
 
     def _prepare_step_dir(self, step_dir: Path) -> None:
         self._guard("start a save")
-        if storage.is_remote(step_dir):
-            # In place (object storage): un-commit an earlier attempt at this step first, so a crash here leaves
-            # nothing `latest` picks; the previous checkpoints stay intact.
-            if step_dir.exists():
-                (step_dir / layout.COMMITTED).unlink(missing_ok=True)
-                storage.rmtree(step_dir)
-        elif step_dir.exists():
-            storage.rmtree(step_dir)  # our own staging leftover of a failed attempt at this step
-        step_dir.mkdir(parents=True)
+        layout.prepare_step_dir(step_dir)
 
     def _save_failed(self, step: int, step_dir: Path, e: OSError | CheckpointError) -> CheckpointError:
         """Clean up after a failed save; the one-line error to raise (Fenced if a newer incarnation took over: then the
@@ -307,7 +314,10 @@ class CheckpointManager:
         result: list = [None]
         if self.rank.is_main:
             try:
-                result[0] = layout.resolve(self.root, spec, keep=True)
+                if spec == "latest" and self.mirror is not None:
+                    result[0] = self.mirror.resolve_latest(self.root)
+                else:
+                    result[0] = layout.resolve(self.root, spec, keep=True)
             except CheckpointError as e:
                 result[0] = e
         if dist.is_initialized() and self.rank.world_size > 1:
@@ -331,6 +341,7 @@ class CheckpointManager:
         finally:
             layout.drop_verified()
         self.load_seconds = time.perf_counter() - t0
+        self.loaded = info
         size = info.size_bytes
         _log.info(
             f"resumed from {info.path} (step {info.step}, {info.manifest['backend']} backend, "
@@ -348,6 +359,8 @@ class CheckpointManager:
             _log.info(io_mode(self.root))  # decided once per filesystem; every save and load then uses it
             self._guard("clean up the run directory")
             layout.recover(self.root, own_staging=self._staging.name)
+        if self.mirror is not None:
+            self.mirror.recover()
         step = self.load(spec, state) if spec else None
         if after_load is not None:  # e.g. train.py refusing a flag the checkpoint cannot take: before anything moves
             after_load(step)
@@ -357,6 +370,8 @@ class CheckpointManager:
             except OSError as e:
                 raise CheckpointError(f"cannot move the abandoned line's checkpoints aside under {self.root}: "
                                       f"{e.strerror or e}") from None
+        if self.mirror is not None:
+            self.mirror.start(step or 0, self.root)
         return step
 
     # --- summary -------------------------------------------------------------------------------------------------
@@ -367,7 +382,7 @@ class CheckpointManager:
         return (
             f"checkpointing: {len(self.history)} saves, {total_bytes / MiB:.1f} MiB, training blocked {blocked:.2f}s "
             f"({pct:.1f}% of {run_seconds:.1f}s), load {self.load_seconds:.2f}s"
-        )
+        ) + (f"\n{self.mirror.summary()}" if self.mirror is not None else "")
 
     def close(self) -> None:
         """Wait for every save in flight (re-raising the first error), then release the backend's resources -- those
@@ -375,6 +390,8 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            if self.mirror is not None:  # the final checkpoint reaches the mirror before a clean exit (bounded wait)
+                self.mirror.close()
             self.backend.close()
             if self.rank.is_main and not storage.is_remote(self.root):
                 try:  # our staging folder, once empty (every save published)

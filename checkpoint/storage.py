@@ -85,6 +85,28 @@ def read_checked(path, size: int, algorithm: str, expected: str) -> memoryview:
     return memoryview(data)
 
 
+def read_chunks(path) -> Iterator[bytes]:
+    """A file's bytes, streamed in chunks (local or s3://)."""
+    if isinstance(path, S3Path):
+        yield from path.read_chunks()
+        return
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            yield chunk
+
+
+def copy_file(src, dst, *, before_chunk: Callable[[], None] | None = None) -> dict:
+    """Copy ``src`` to ``dst`` (either local or s3://) durably and atomically, like :func:`write_with`; return the
+    record of the bytes written, hashed as they passed. ``before_chunk``: called before each chunk (a test knob)."""
+    def fill(w: ChecksumWriter) -> None:
+        for chunk in read_chunks(src):
+            if before_chunk is not None:
+                before_chunk()
+            w.write(chunk)
+
+    return write_with(dst, fill)
+
+
 def rmtree(path) -> None:
     """Remove a folder and everything under it; best effort, like ``shutil.rmtree(ignore_errors=True)``."""
     if isinstance(path, S3Path):
@@ -263,16 +285,22 @@ class S3Path:
     def read_text(self) -> str:
         return self.read_bytes().decode()
 
-    def checksum(self, algorithm: str = CHECKSUM_ALGORITHM) -> tuple[int, str]:
-        def stream() -> tuple[int, str]:
+    def read_chunks(self) -> Iterator[bytes]:
+        try:
             reader = client().get_object(self.bucket, self.key)
-            h, size = new_hasher(algorithm), 0
             while chunk := reader.read(_CHUNK):
-                h.update(chunk)
-                size += len(chunk)
-            return size, h.hexdigest()
+                yield chunk
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - as in _call
+            raise s3_error(e, str(self)) from None
 
-        return self._call(stream)
+    def checksum(self, algorithm: str = CHECKSUM_ALGORITHM) -> tuple[int, str]:
+        h, size = new_hasher(algorithm), 0
+        for chunk in self.read_chunks():
+            h.update(chunk)
+            size += len(chunk)
+        return size, h.hexdigest()
 
     def write_with(self, fill: Callable[[ChecksumWriter], None]) -> dict:
         """Upload what ``fill`` writes; the object appears (whole) when the upload completes, so this is atomic."""
@@ -294,9 +322,12 @@ class S3Path:
         """Folders are key prefixes: nothing to create."""
 
     def rename(self, target: "S3Path") -> "S3Path":
-        """Move every object under this prefix (copy + delete; S3 has no rename)."""
-        for key in self._keys():
+        """Move every object under this prefix (S3 has no rename): copy them all, then delete, the commit marker
+        first -- a crash part-way leaves the source whole or uncommitted, never committed with objects missing."""
+        keys = self._keys()
+        for key in keys:
             self._call(client().copy_object, self.bucket, key, target.bucket, target._prefix + key[len(self._prefix):])
+        for key in sorted(keys, key=lambda k: k.rsplit("/", 1)[-1] != "COMMITTED"):
             self._call(client().delete_object, self.bucket, key)
         return target
 

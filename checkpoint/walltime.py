@@ -97,8 +97,8 @@ class WalltimePolicy:
     """Stop when ``deadline - now < max save time + k x step time + margin``.
 
     ``observe_step`` feeds a moving (exponential) average of the step time, ``observe_save`` the longest save so far
-    (blocking and until durable). The deadline is re-read every ``refresh_s`` (in a background thread unless
-    ``background=False``, so a slow slurmctld never stalls a step)."""
+    (blocking and until durable, plus until mirrored with --mirror-dir). The deadline is re-read every ``refresh_s``
+    (in a background thread unless ``background=False``, so a slow slurmctld never stalls a step)."""
 
     def __init__(self, read: Callable[[], Deadline], *, margin_s: float = 60.0, step_factor: float = 3.0,
                  refresh_s: float = 300.0, clock: Callable[[], float] = time.time, background: bool = True,

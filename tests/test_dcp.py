@@ -145,7 +145,7 @@ from checkpoint import (CheckpointManager, CheckpointState, ModelState, Optimize
 src, dst = os.environ["PROBE_SRC"], os.environ["PROBE_DST"]
 args = train.build_parser().parse_args(sys.argv[1:])
 env = distributed.init(args.distributed)
-tokenizer, windows, config = train.check_inputs(args, env)
+tokenizer, windows, config, _ = train.check_inputs(args, env)
 model = distributed.parallelize(Transformer(config), env, args.parallel)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, train.lr_lambda(args.lr_warmup_steps, args.training_steps))

@@ -21,9 +21,12 @@ FREQ = 4
 CRC32_COMMIT = "80c9f24"
 
 
-def _args(corpus: str, ckdir: Path, backend: str) -> list[str]:
+def _args(corpus: str, ckdir: Path, backend: str, *, current: bool = True) -> list[str]:
+    """The run every test here compares. The current version trains on every window (--eval-windows 0), as the crc32
+    version, which had no held-out data, did: so all of them follow one trajectory."""
     return TINY + ["--dataset", corpus, "--training-steps", str(STEPS), "--checkpoint-frequency", str(FREQ),
-                   "--log-loss-to-csv", "--checkpoint-dir", str(ckdir), "--checkpoint-backend", backend]
+                   "--log-loss-to-csv", "--checkpoint-dir", str(ckdir), "--checkpoint-backend", backend] + (
+                   ["--eval-windows", "0"] if current else [])
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +141,7 @@ def crc32_version(tmp_path_factory) -> Path:
 def test_a_checkpoint_written_with_crc32_by_the_previous_version_resumes_bit_exactly(corpus, reference, tmp_path,
                                                                                     crc32_version, backend):
     run = tmp_path / "default"
-    args = _args(corpus, tmp_path, backend)
+    args = _args(corpus, tmp_path, backend, current=False)
     kill_run_at_row([PY, str(crc32_version / "train.py")] + args, run / "loss.csv", 10, cwd=crc32_version,
                     env=env_for_tests({"PYTHONPATH": str(crc32_version)}))
     old = sorted(run.glob("step-*/manifest.json"))
@@ -148,7 +151,11 @@ def test_a_checkpoint_written_with_crc32_by_the_previous_version_resumes_bit_exa
     verify = subprocess.run([PY, "-m", "checkpoint", "verify", str(old[-1].parent)], capture_output=True, text=True,
                             cwd=ROOT, env=env_for_tests())
     assert verify.returncode == 0, verify.stdout + verify.stderr
-    proc = run_train(args + ["--resume-from-checkpoint", "latest"], timeout=300)
+    # That version had no held-out data (it trained on every window): resuming it with the default --eval-windows is
+    # refused in one line naming the fix, and with --eval-windows 0 it continues bit-exactly.
+    refused = run_train(args + ["--resume-from-checkpoint", "latest"], timeout=300)
+    assert refused.returncode == 2 and "resume with --eval-windows 0" in refused.stderr, refused.stderr[-3000:]
+    proc = run_train(args + ["--eval-windows", "0", "--resume-from-checkpoint", "latest"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {old[-1].parent}" in proc.stdout
     _same_as(reference[backend], run)

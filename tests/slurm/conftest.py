@@ -1,6 +1,9 @@
-"""A real single-node SLURM cluster on localhost for tests (see tests/slurm/cluster.sh).
+"""Real SLURM clusters on this machine for tests (see tests/slurm/cluster.sh).
 
-Fixture ``slurm_cluster`` (session scope) -> :class:`SlurmCluster`.
+Fixture ``slurm_cluster`` (session scope) -> :class:`SlurmCluster`: one node on localhost.
+Fixture ``slurm_multinode`` (session scope) -> :class:`MultiNodeCluster`: ``MULTINODE_NODES`` emulated nodes, each
+slurmd in its own network/UTS/mount namespace (``cluster.sh start --nodes N``), a separate cluster with its own state
+dir and controller port, so the single-node tests run unchanged beside it.
 
 * Needs root. Without root or without the SLURM/munge binaries the tests are skipped -- except when ``CI=true``,
   where that is a failure (a skipped SLURM test in CI hides a broken CI image).
@@ -13,6 +16,7 @@ Fixture ``slurm_cluster`` (session scope) -> :class:`SlurmCluster`.
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import os
 import re
@@ -29,6 +33,11 @@ import pytest
 HERE = Path(__file__).resolve().parent
 CLUSTER_SH = HERE / "cluster.sh"
 DEFAULT_STATE_DIR = "/tmp/pyrecover-slurm"
+MULTINODE_STATE_DIR = "/tmp/pyrecover-slurm-multi"
+# test_multinode.py runs its scenarios side by side, each on its own nodes (a node loss must hit only its own job):
+# 1-2 time limit (vanilla and dcp), 3-4 node loss with JIT, 5-6 node loss without, 7-9 partition (needs a spare node)
+MULTINODE_NODES = 9
+MULTINODE_CPUS = 4  # per emulated node; the jobs are 1 rank per node, two jobs may share a node (--overcommit)
 REQUIRED_BINARIES = ("munged", "slurmctld", "slurmd", "sinfo", "squeue", "sbatch", "srun", "scontrol", "scancel")
 
 # Job states after which a job never runs again (unless requeued by hand).
@@ -118,7 +127,10 @@ class SlurmCluster:
         env["PATH"] = path
         env["SLURM_CONF"] = str(self.conf)
         self.env: dict[str, str] = env
-        self.node = (state_dir / "node").read_text().strip()
+        nodes_file = state_dir / "nodes"
+        self.nodes: list[str] = (nodes_file.read_text() if nodes_file.exists()
+                                 else (state_dir / "node").read_text()).split()
+        self.node = self.nodes[0]
         self.cpus = int(self.run("sinfo", "-h", "-N", "-n", self.node, "-o", "%c").stdout.split()[0])
         self.version = self.run("slurmd", "-V").stdout.strip()  # e.g. "slurm-wlm 22.05.8"
 
@@ -289,10 +301,43 @@ class SlurmCluster:
         return "\n".join(out)
 
 
-def _cluster_sh(cmd: str, timeout: float) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LEAKY_PREFIXES)}
+class MultiNodeCluster(SlurmCluster):
+    """The multi-node cluster: :attr:`nodes` are ``pyr-node1..N``, each a slurmd in its own namespaces. Node faults,
+    all by ``cluster.sh`` (every process of a node is found as a process of its network namespace):"""
+
+    def node_sh(self, cmd: str, node: str) -> None:
+        """``kill-node`` (SIGKILL every process of the node), ``start-node`` (its slurmd again), ``cut-node`` (its
+        link down: a partition; its processes keep running), ``mend-node``."""
+        proc = _cluster_sh(cmd, 60, node, "--nodes", str(len(self.nodes)), env=self._sh_env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"cluster.sh {cmd} {node} failed:\n{_tail(proc)}")
+
+    def node_pids(self, node: str) -> list[int]:
+        """Every process of ``node`` (its network namespace)."""
+        out = subprocess.run(["ip", "netns", "pids", node], capture_output=True, text=True, timeout=30)
+        return [int(p) for p in out.stdout.split()]
+
+    def task_pids(self, node: str, job_id: int, needle: str = "train.py") -> list[int]:
+        """PIDs of ``node``'s processes of job ``job_id`` whose command line contains ``needle``."""
+        found = []
+        for pid in self.node_pids(node):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if needle in cmdline and f"SLURM_JOB_ID={job_id}".encode() in environ:
+                found.append(pid)
+        return found
+
+    _sh_env: dict[str, str] = {}
+
+
+def _cluster_sh(cmd: str, timeout: float, *args: str, env: Mapping[str, str] | None = None
+                ) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LEAKY_PREFIXES)} | dict(env or {})
     return subprocess.run(
-        ["bash", str(CLUSTER_SH), cmd],
+        ["bash", str(CLUSTER_SH), cmd, *args],
         env=env,
         stdin=subprocess.DEVNULL,
         capture_output=True,
@@ -341,14 +386,14 @@ class _SharedUse:
         self._mutex.close()
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster():
-    """The running local SLURM cluster (:class:`SlurmCluster`); started on first use, stopped after the session."""
+def _cluster_session(state_dir: Path, args: tuple[str, ...], env: dict[str, str], cls: type = SlurmCluster,
+                     tools: tuple[str, ...] = ()):
+    """Start (or reuse) one cluster for this pytest session; yield its handle; stop it when the last session using it
+    leaves and a pytest session had started it."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         _unavailable("needs root (munged/slurmd are started by hand as root); run pytest as root")
     if shutil.which("bash") is None:
         _unavailable("bash not found")
-    state_dir = Path(os.environ.get("PYRECOVER_SLURM_DIR", DEFAULT_STATE_DIR))
 
     if _in_ci() or _truthy("PYRECOVER_SLURM_INSTALL"):
         if shutil.which("apt-get") is None and not _have_binaries():
@@ -360,7 +405,8 @@ def slurm_cluster():
         if proc.returncode != 0:
             _unavailable(f"`tests/slurm/cluster.sh install` failed:\n{_tail(proc)}")
 
-    missing = _missing_binaries()
+    search = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    missing = _missing_binaries() + [t for t in tools if shutil.which(t, path=search) is None]
     if missing:
         _unavailable(
             f"missing {' '.join(missing)}; run `tests/slurm/cluster.sh install` (or set PYRECOVER_SLURM_INSTALL=1)"
@@ -368,30 +414,61 @@ def slurm_cluster():
 
     shared = _SharedUse(state_dir)
     start_s = 0.0
+    stopped = []
+
+    def stop() -> None:
+        if not stopped:
+            stopped.append(True)
+            proc = _cluster_sh("stop", 120, *args, env=env)
+            if proc.returncode != 0:
+                print(f"`tests/slurm/cluster.sh stop` failed:\n{_tail(proc)}")
+
     with shared:
-        if _cluster_sh("status", timeout=30).returncode != 0:
+        if _cluster_sh("status", 30, *args, env=env).returncode != 0:
             t0 = time.monotonic()
             try:
-                proc = _cluster_sh("start", timeout=180)
+                proc = _cluster_sh("start", 180, *args, env=env)
             except subprocess.TimeoutExpired:
                 proc = None
             if proc is None or proc.returncode != 0:
-                _cluster_sh("stop", timeout=120)
+                _cluster_sh("stop", 120, *args, env=env)
                 shared.close()
                 detail = "hung for 180 s" if proc is None else f"failed:\n{_tail(proc, 80)}"
-                pytest.fail(f"`tests/slurm/cluster.sh start` {detail}", pytrace=False)
+                pytest.fail(f"`tests/slurm/cluster.sh start {' '.join(args)}` {detail}", pytrace=False)
             shared.marker.write_text(f"{os.getpid()}\n")
             start_s = time.monotonic() - t0
         shared.join()
+    owned = shared.marker.exists()
+    if owned and not _truthy("PYRECOVER_SLURM_KEEP"):
+        # an interrupted session (Ctrl-C past the fixture teardown, a crash of pytest itself) still removes what it
+        # started -- with --nodes: namespaces, bridge and hosts lines; a later start also cleans any leftover
+        atexit.register(stop)
     try:
-        cluster = SlurmCluster(state_dir, owned=shared.marker.exists())
+        cluster = cls(state_dir, owned=owned)
         cluster.start_seconds = start_s
+        cluster._sh_env = env
         yield cluster
     finally:
         with shared:
             last = shared.leave_is_last()
             if last and shared.marker.exists() and not _truthy("PYRECOVER_SLURM_KEEP"):
-                proc = _cluster_sh("stop", timeout=120)
-                if proc.returncode != 0:
-                    print(f"`tests/slurm/cluster.sh stop` failed:\n{_tail(proc)}")
+                stop()
+            stopped.append(True)  # decided here: the atexit fallback must not stop a cluster others still use
         shared.close()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """The running local SLURM cluster (:class:`SlurmCluster`); started on first use, stopped after the session."""
+    state_dir = Path(os.environ.get("PYRECOVER_SLURM_DIR", DEFAULT_STATE_DIR))
+    yield from _cluster_session(state_dir, (), {})
+
+
+@pytest.fixture(scope="session")
+def slurm_multinode():
+    """A second cluster of ``MULTINODE_NODES`` emulated nodes (:class:`MultiNodeCluster`; ``cluster.sh start --nodes
+    N``, state dir ``PYRECOVER_SLURM_MULTI_DIR``, default /tmp/pyrecover-slurm-multi); same start/stop rules."""
+    state_dir = Path(os.environ.get("PYRECOVER_SLURM_MULTI_DIR", MULTINODE_STATE_DIR))
+    env = {"PYRECOVER_SLURM_DIR": str(state_dir), "PYRECOVER_SLURM_CPUS": str(MULTINODE_CPUS)}
+    yield from _cluster_session(state_dir, ("--nodes", str(MULTINODE_NODES)), env, MultiNodeCluster,
+                                tools=("ip", "nsenter", "unshare"))

@@ -1,0 +1,397 @@
+"""Export a committed checkpoint as a Hugging Face Llama model: ``python -m checkpoint export SRC OUT --to hf``.
+
+SRC is a step folder or an experiment folder (its `latest`), of any backend and world size: the model section is read
+as full tensors through reader.py (FSDP/DCP shards reassembled), after the folder has verified. The model's shape comes
+from the manifest's card (``meta.card.model.config``) when the checkpoint has one, else from the run configuration it
+was saved with (``run_info``). OUT receives what ``transformers.LlamaForCausalLM.from_pretrained(OUT)`` reads:
+
+    config.json                     LlamaForCausalLM / model_type llama, untied embeddings
+    generation_config.json          BOS/EOS ids of the tokenizer
+    model.safetensors               or model-0000i-of-0000n.safetensors + model.safetensors.index.json when the weights
+                                    exceed --max-shard-size
+    tokenizer.json, tokenizer_config.json (+ tokenizer.model)   where the training tokenizer has a Hugging Face form
+
+The mapping is one-to-one, no tensor is transformed: our blocks are the Llama blocks (pre-norm RMSNorm, SwiGLU with
+w1 = gate, w3 = up, w2 = down, grouped-query attention where query head h reads KV head h // (n_heads / n_kv_heads)),
+and model.apply_rope already rotates the pairs (i, i + head_dim/2), transformers' ``rotate_half`` convention, so the
+q/k rows need no permutation.
+
+OUT is written in a hidden sibling folder and renamed into place when complete: it is the whole export or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import fsio, layout, storage
+from .errors import CheckpointError
+from .reader import flatten, locate, section_reader
+
+_log = logging.getLogger(__name__)
+
+FORMATS = ("hf",)
+DEFAULT_MAX_SHARD_SIZE = "2GB"  # transformers' own default for save_pretrained
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_CONFIG_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "rope_theta",
+                "norm_eps")
+INDEX = "model.safetensors.index.json"
+
+
+def parse_size(text: str) -> int:
+    """``"2GB"`` (10^9), ``"500MiB"`` (2^20), ``"1000"`` (bytes) -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(text), re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise CheckpointError(f"--max-shard-size {text!r} is not a size; write e.g. 2GB, 500MB, 512MiB or a byte count")
+    return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").upper()])
+
+
+# --- what the checkpoint holds ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Saved:
+    """What the checkpoint says about the model it holds."""
+
+    config: dict  # model.ModelConfig as a dict
+    preset: str | None  # --model
+    tokenizer: str | None  # --tokenizer-name-or-path (a name, or a path as given to train.py)
+
+
+def saved_model(where, manifest: dict) -> Saved:
+    """The card's model (``meta.card``) when the manifest has one, else the run configuration in ``run_info``."""
+    card = manifest.get("meta", {}).get("card")
+    card = card if isinstance(card, dict) else {}
+    card_model = card.get("model") if isinstance(card.get("model"), dict) else {}
+    card_config = card_model.get("config")
+    try:
+        info = section_reader(manifest["backend"])(where, manifest, "run_info")
+        run_config = json.loads(info["config_json"])
+    except CheckpointError:  # no run_info: a checkpoint written by something else than train.py
+        run_config = {}
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{where}: run_info is unreadable (no valid config_json)") from None
+    config = card_config if isinstance(card_config, dict) else run_config.get("model_config")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{where} records no model configuration (neither a card in its manifest nor a "
+                              "run_info with model_config); export needs a checkpoint saved by train.py")
+    missing = [k for k in _CONFIG_KEYS if k not in config]
+    if missing:
+        raise CheckpointError(f"{where}: the saved model configuration lacks {', '.join(missing)}")
+    card_data = card.get("data") if isinstance(card.get("data"), dict) else {}
+    return Saved(config, card_model.get("preset") or run_config.get("model"),
+                 run_config.get("tokenizer_name_or_path") or card_data.get("tokenizer"))
+
+
+def hf_names(config: dict) -> dict[str, str]:
+    """Our parameter name -> the transformers Llama name, in the order transformers lists them."""
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight"}
+    for i in range(int(config["n_layers"])):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        names.update({
+            ours + "attention_norm.weight": theirs + "input_layernorm.weight",
+            ours + "attention.wq.weight": theirs + "self_attn.q_proj.weight",
+            ours + "attention.wk.weight": theirs + "self_attn.k_proj.weight",
+            ours + "attention.wv.weight": theirs + "self_attn.v_proj.weight",
+            ours + "attention.wo.weight": theirs + "self_attn.o_proj.weight",
+            ours + "ffn_norm.weight": theirs + "post_attention_layernorm.weight",
+            ours + "feed_forward.w1.weight": theirs + "mlp.gate_proj.weight",
+            ours + "feed_forward.w3.weight": theirs + "mlp.up_proj.weight",
+            ours + "feed_forward.w2.weight": theirs + "mlp.down_proj.weight",
+        })
+    names.update({"norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"})
+    return names
+
+
+def _shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    d, f, v = int(config["dim"]), int(config["ffn_dim"]), int(config["vocab_size"])
+    kv = int(config["n_kv_heads"]) * (d // int(config["n_heads"]))
+    per_block = {"attention_norm.weight": (d,), "attention.wq.weight": (d, d), "attention.wk.weight": (kv, d),
+                 "attention.wv.weight": (kv, d), "attention.wo.weight": (d, d), "ffn_norm.weight": (d,),
+                 "feed_forward.w1.weight": (f, d), "feed_forward.w3.weight": (f, d), "feed_forward.w2.weight": (d, f)}
+    shapes = {"tok_embeddings.weight": (v, d), "norm.weight": (d,), "output.weight": (v, d)}
+    for i in range(int(config["n_layers"])):
+        shapes.update({f"layers.{i}.{k}": s for k, s in per_block.items()})
+    return shapes
+
+
+def hf_state_dict(config: dict, tensors: dict[str, Any], where) -> dict[str, torch.Tensor]:
+    """The model section renamed for transformers, after checking every tensor's presence and shape."""
+    expected = _shapes(config)
+    for name, shape in expected.items():
+        t = tensors.get(name)
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"{where}: the model section has no tensor {name!r}; not a checkpoint of model.py's "
+                                  "Transformer with the saved configuration")
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"{where}: tensor {name!r} has shape {list(t.shape)}, the saved configuration says "
+                                  f"{list(shape)}")
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        raise CheckpointError(f"{where}: the model section holds {len(extra)} tensor(s) this export does not know, "
+                              f"e.g. {extra[0]!r}")
+    return {theirs: tensors[ours] for ours, theirs in hf_names(config).items()}
+
+
+# --- tokenizer ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenizerExport:
+    files: dict[str, bytes] = field(default_factory=dict)
+    bos_id: int | None = None
+    eos_id: int | None = None
+    note: str | None = None  # one line: what was not exported and why
+
+
+# Texts the converted SentencePiece tokenizer must encode exactly as SentencePiece does before it is exported: word
+# starts, runs of spaces and newlines (whitespace-only pieces), tabs, digits, punctuation, code, accents, CJK, emoji,
+# characters outside the vocabulary (byte fallback), compatibility forms NFKC would change.
+_PROBES = (
+    "The quick brown fox jumps over the lazy dog.",
+    "  two leading spaces,   three inside,\ttab\tand trailing   ",
+    " one leading space\n\nTHE TRAGEDY OF HAMLET, PRINCE OF DENMARK\n\n    SCENE I. Elsinore.\n",
+    "1 Corinthians 13:4-7 -- 1234567890 3.14159 $9.99 100% #1 @user",
+    "def f(x):\n    return {'a': [1, 2, 3]}  # comment\n",
+    "ünïcödé café naïve Ærøskøbing Straße 日本語のテキスト 中文 한국어 🙂👍🏽",
+    "ﬁ ｆｕｌｌｗｉｄｔｈ ① ½ Å \x00\x7f \u200b",
+    "\n", " ", "a", "",
+)
+
+
+def _sentencepiece_to_hf(model_file: Path):
+    """(a ``tokenizers`` BPE equal to a SentencePiece BPE model (byte fallback, ``▁`` dummy prefix) or None when the
+    model cannot be expressed that way (a unigram model, another normalisation): the probes decide; the model).
+
+    SentencePiece BPE merges, among the adjacent pairs whose concatenation is a piece, the one giving the piece of
+    highest score, so a merge list ordered by the merged piece's score reproduces it."""
+    import sentencepiece
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers
+    from tokenizers.models import BPE
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+    n = sp.vocab_size()
+    special = [i for i in range(n) if sp.is_control(i) or sp.is_unknown(i)]
+    plain = {sp.id_to_piece(i): i for i in range(n) if i not in special and not sp.is_byte(i)}
+    merges = sorted((-sp.get_score(pid), pid, plain[piece[:k]], plain[piece[k:]], piece[:k], piece[k:])
+                    for piece, pid in plain.items() for k in range(1, len(piece))
+                    if piece[:k] in plain and piece[k:] in plain)
+    tok = Tokenizer(BPE(vocab={sp.id_to_piece(i): i for i in range(n)}, merges=[m[-2:] for m in merges],
+                        unk_token=sp.id_to_piece(sp.unk_id()), fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(sp.id_to_piece(i), special=True, normalized=False) for i in special])
+    probes = list(_PROBES)
+    if sp.encode(probes) != [e.ids for e in tok.encode_batch(probes, add_special_tokens=False)]:
+        return None, sp
+    return tok, sp
+
+
+def tokenizer_files(name_or_path: str, vocab_size: int, max_seq_len: int, explicit: bool = False) -> TokenizerExport:
+    """The Hugging Face files of the tokenizer a run trained with (tokenizer.py's names and paths). A tokenizer the
+    checkpoint names but this machine cannot load is left out with a note; one asked for (``explicit``) is an error."""
+    try:
+        import tokenizer as tokenizers_module  # the project's tokenizer.py, installed beside this package
+    except ImportError:
+        return TokenizerExport(note=f"tokenizer {name_or_path} not exported: the project's tokenizer module is not "
+                                    "importable here")
+    try:
+        tok = tokenizers_module.load_tokenizer(name_or_path)
+    except tokenizers_module.DataError as e:
+        if explicit:
+            raise CheckpointError(f"--tokenizer: {e}") from None
+        return TokenizerExport(note=f"tokenizer not exported: {e}; pass --tokenizer NAME_OR_PATH")
+    if tok.vocab_size != vocab_size:
+        raise CheckpointError(f"tokenizer {name_or_path} has {tok.vocab_size} tokens but the model's vocabulary is "
+                              f"{vocab_size}; pass the --tokenizer the run trained with")
+    # encode_batch adds no BOS/EOS in training, so neither does the exported tokenizer (no post-processor).
+    config = {"model_max_length": max_seq_len, "clean_up_tokenization_spaces": False}
+    if isinstance(tok, tokenizers_module.HFTokenizer):
+        files = {"tokenizer.json": tok.path.read_bytes()}
+        own_config = tok.path.parent / "tokenizer_config.json"
+        if own_config.is_file():
+            files["tokenizer_config.json"] = own_config.read_bytes()
+        else:
+            spec = json.loads(files["tokenizer.json"])
+            eos_piece = next((t["content"] for t in spec.get("added_tokens", []) if t.get("id") == tok.eos_id), None)
+            files["tokenizer_config.json"] = _json({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                    "eos_token": eos_piece, **config})
+        return TokenizerExport(files=files, eos_id=tok.eos_id)
+    if isinstance(tok, tokenizers_module.SentencePieceTokenizer):
+        converted, sp = _sentencepiece_to_hf(tok.path)
+        bos = sp.bos_id() if sp.bos_id() >= 0 else None
+        files = {"tokenizer.model": tok.path.read_bytes()}
+        special = {"bos_token": sp.id_to_piece(bos) if bos is not None else None,
+                   "eos_token": sp.id_to_piece(sp.eos_id()), "unk_token": sp.id_to_piece(sp.unk_id())}
+        if converted is None:
+            files["tokenizer_config.json"] = _json({"tokenizer_class": "LlamaTokenizer", "add_bos_token": False,
+                                                    "add_eos_token": False, **special, **config})
+            return TokenizerExport(files=files, bos_id=bos, eos_id=tok.eos_id,
+                                   note=f"tokenizer {tok.name}: tokenizer.json not exported (this SentencePiece model "
+                                        "does not convert exactly to a Hugging Face BPE); tokenizer.model is, for "
+                                        "transformers' own (sentencepiece + protobuf) conversion")
+        files["tokenizer.json"] = converted.to_str().encode()
+        files["tokenizer_config.json"] = _json({"tokenizer_class": "PreTrainedTokenizerFast", **special, **config})
+        return TokenizerExport(files=files, bos_id=bos, eos_id=tok.eos_id)
+    return TokenizerExport(eos_id=tok.eos_id,
+                           note=f"tokenizer {tok.name} not exported: this export writes SentencePiece and "
+                                "tokenizer.json tokenizers only; encode with tokenizer.load_tokenizer"
+                                f"({tok.name!r}) (tiktoken / mistral-common)")
+
+
+# --- writing OUT ---------------------------------------------------------------------------------------------------
+
+
+def _json(obj: dict) -> bytes:
+    return (json.dumps(obj, indent=2) + "\n").encode()
+
+
+def hf_config(config: dict, dtype: torch.dtype, bos_id: int | None, eos_id: int | None) -> dict:
+    """config.json for transformers' LlamaConfig (field names of transformers 4.x and 5.x: ``rope_theta`` for the
+    former, ``rope_parameters`` for the latter)."""
+    head_dim = int(config["dim"]) // int(config["n_heads"])
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(config["vocab_size"]),
+        "hidden_size": int(config["dim"]),
+        "intermediate_size": int(config["ffn_dim"]),
+        "num_hidden_layers": int(config["n_layers"]),
+        "num_attention_heads": int(config["n_heads"]),
+        "num_key_value_heads": int(config["n_kv_heads"]),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(config["max_seq_len"]),
+        "rms_norm_eps": float(config["norm_eps"]),
+        "rope_theta": float(config["rope_theta"]),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(config["rope_theta"])},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def plan_shards(tensors: dict[str, torch.Tensor], dtype: torch.dtype, max_bytes: int) -> list[list[str]]:
+    """Names grouped into shards of at most ``max_bytes`` each, in order (a tensor larger than that is a shard of its
+    own, as in transformers)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    item = torch.empty((), dtype=dtype).element_size()
+    for name, t in tensors.items():
+        nbytes = t.numel() * item
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _prepare_out(out: Path, force: bool, source: Path) -> None:
+    """Refuse an OUT that must not be replaced."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} is a file; choose a folder for OUT")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not force:
+        raise CheckpointError(f"{out} is not empty; choose another OUT, or pass --force to replace it")
+    resolved = out.resolve()
+    src = Path(str(source)).resolve() if not storage.is_remote(source) else None
+    if (resolved / layout.MANIFEST).exists() or layout.list_checkpoints(resolved) or \
+            (src is not None and (src == resolved or resolved in src.parents)):
+        raise CheckpointError(f"{out} holds checkpoints; --force replaces only an earlier export, never a checkpoint "
+                              "folder")
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Put the complete export in place; a replaced OUT is deleted only after the new one is there."""
+    old = None
+    if out.is_dir() and any(out.iterdir()):
+        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(out, old)
+    os.replace(staging, out)  # over an empty OUT folder, or to a new name
+    fsio.fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def export_hf(src, out, *, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, dtype: str | None = None,
+              tokenizer: str | None = None, force: bool = False) -> Path:
+    """Export SRC's model as a Hugging Face Llama folder OUT; return OUT."""
+    max_bytes = parse_size(max_shard_size)
+    if storage.is_remote(out):
+        raise CheckpointError(f"{out}: OUT must be a local folder (transformers loads from the filesystem)")
+    out = Path(out)
+    where, manifest = locate(src)
+    if manifest is None:
+        raise CheckpointError(f"{where} is a single file; export needs a committed checkpoint folder (step-N or an "
+                              "experiment folder)")
+    _prepare_out(out, force, where)
+    saved = saved_model(where, manifest)
+    config = saved.config
+    tensors = dict(flatten(section_reader(manifest["backend"])(where, manifest, "model")))
+    weights = hf_state_dict(config, tensors, where)
+    target = DTYPES[dtype] if dtype else weights["model.embed_tokens.weight"].dtype
+    tok_name = tokenizer or saved.tokenizer
+    if tok_name:
+        tok = tokenizer_files(tok_name, int(config["vocab_size"]), int(config["max_seq_len"]), explicit=bool(tokenizer))
+    else:
+        tok = TokenizerExport(note="tokenizer not exported: the checkpoint does not name it; pass --tokenizer")
+
+    import safetensors.torch  # the format transformers loads, written by its own library
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:8]}")
+    staging.mkdir()
+    try:
+        shards = plan_shards(weights, target, max_bytes)
+        files = ["model.safetensors"] if len(shards) == 1 else \
+            [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+        weight_map, total = {}, 0
+        for fname, names in zip(files, shards):
+            # one shard's tensors in this dtype at a time: memory beyond the section read is one shard
+            part = {n: weights[n].to(target).contiguous() for n in names}
+            total += sum(t.numel() * t.element_size() for t in part.values())
+            fsio.atomic_write_bytes(staging / fname, safetensors.torch.save(part, metadata={"format": "pt"}),
+                                    fsync_parent=False)
+            weight_map.update(dict.fromkeys(names, fname))
+        written = {}
+        if len(files) > 1:
+            written[INDEX] = _json({"metadata": {"total_size": total}, "weight_map": weight_map})
+        written["config.json"] = _json(hf_config(config, target, tok.bos_id, tok.eos_id))
+        written["generation_config.json"] = _json({"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id})
+        written.update(tok.files)
+        for fname, data in written.items():
+            fsio.atomic_write_bytes(staging / fname, data, fsync_parent=False)
+        fsio.fsync_dir(staging)
+        _publish(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    params = sum(t.numel() for t in weights.values())
+    shown = files[0] if len(files) == 1 else f"{len(files)} shards + {INDEX}"
+    tok_shown = ", ".join(n for n in tok.files if n.startswith("tokenizer")) or "no tokenizer"
+    what = f"{saved.preset or 'model'}, {params / 1e6:.2f}M parameters, {str(target).removeprefix('torch.')}"
+    _log.info(f"exported {where} (step {manifest['step']}, {manifest['backend']}, {manifest['world_size']} rank(s)) -> "
+              f"{out}: {shown} ({what}), config.json, generation_config.json, {tok_shown}")
+    if tok.note:
+        _log.info(f"note: {tok.note}")
+    return out

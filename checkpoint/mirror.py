@@ -1,0 +1,305 @@
+"""A second location for checkpoints (``--mirror-dir``): every committed checkpoint (or every K-th) is copied there in
+the background, committed there by the same protocol, and verified there.
+
+The main use: the primary on fast node-local disk, where a save stalls training least, and the mirror on the shared
+filesystem or object storage, which outlives the node. The copy never blocks training and a failing mirror never stops
+it: one warning when the mirror starts failing, retries, one line when it recovers, a summary at the end.
+
+    primary step-N committed and published (manager.py)
+      -> submit(N): the copier thread takes the newest step submitted (older ones still waiting are skipped)
+      -> local mirror:  <mirror>/.staging-mirror-<run_id>/step-N/  every file copied atomically (tmp, fsync, rename),
+                        each copy read back and checked against the primary's manifest, then manifest + COMMITTED
+                        (layout.write_commit: the same bytes, the same marker), then layout.publish -> <mirror>/step-N
+         s3:// mirror:  in place, an earlier attempt un-committed first (layout.prepare_step_dir), COMMITTED last
+      -> retention on the mirror (--mirror-keep; never the newest committed one)
+
+A SIGKILL mid-copy leaves a staging folder (local: swept by the next start, ``recover``) or an uncommitted folder (s3:
+swept by the next start): never a committed partial checkpoint. ``CheckpointManager.resolve('latest')`` looks in both
+locations (``resolve_latest``); the newest valid checkpoint wins, the primary on a tie.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from . import layout, storage
+from .errors import CheckpointError
+from .knobs import mirror_delay_s
+from .lease import Fenced
+
+_log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+RETRIES = 3  # attempts per step before it counts as failed (a newer step submitted meanwhile ends them sooner)
+BACKOFF_S = 1.0  # first pause between attempts; doubles after each
+
+
+def _no_guard(what: str) -> None:  # noqa: ARG001
+    return None
+
+
+def refusal(checkpoint_dir: str, mirror_dir: str, experiment: str) -> str | None:
+    """Why ``--mirror-dir`` cannot be used with ``--checkpoint-dir``, in one line, or None."""
+    def run_root(d: str):
+        root = storage.as_path(d) / experiment
+        return str(root) if storage.is_remote(root) else os.path.realpath(root)
+
+    primary, mirror = run_root(checkpoint_dir), run_root(mirror_dir)
+    if primary == mirror:
+        return (f"--mirror-dir {mirror_dir} is the --checkpoint-dir itself; give the mirror another location (e.g. "
+                "the shared filesystem or s3://bucket/prefix)")
+    inside = mirror.startswith(primary.rstrip("/") + "/") or primary.startswith(mirror.rstrip("/") + "/")
+    if inside:
+        return (f"--mirror-dir {mirror_dir} and --checkpoint-dir {checkpoint_dir} hold one another (run folders "
+                f"{primary} and {mirror}); give the mirror a separate location")
+    return None
+
+
+class Mirror:
+    """Copies committed checkpoints of the primary ``CheckpointManager`` to ``root`` (rank 0 only).
+
+    ``every``: mirror the steps that are multiples of it (the final checkpoint always, in ``close``). ``keep``: the
+    newest committed checkpoints kept in the mirror (0 = all), ``keep_every`` milestones too. ``timeout_s``: how long
+    ``close`` waits for the final copy. ``guard`` (set by the manager): raises Fenced once a newer incarnation owns the
+    run, checked before every change to the mirror."""
+
+    def __init__(self, root, *, run_id: str, every: int = 1, keep: int = 0, keep_every: int = 0,
+                 timeout_s: float = 600.0, retries: int = RETRIES, backoff_s: float = BACKOFF_S):
+        self.root = storage.as_path(root)
+        self.run_id = run_id
+        self.every, self.keep, self.keep_every = every, keep, keep_every
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.guard: Callable[[str], None] = _no_guard
+        self._cv = threading.Condition()
+        self._pending: tuple | None = None  # (step, primary step folder, SaveRecord | None, submitted at)
+        self._copying: int | None = None
+        self._newest: tuple | None = None  # the newest step the primary committed, mirrored or not
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._failing = False  # warned once; the next success says the mirror recovered
+        self._fenced = False
+        self.copied: list[int] = []
+        self.failed: list[int] = []
+        self.skipped = 0
+        self.bytes = 0
+        self.seconds = 0.0
+
+    @property
+    def _staging_name(self) -> str:
+        return f"{layout.STAGING_PREFIX}mirror-{self.run_id}"
+
+    # --- start ---------------------------------------------------------------------------------------------------
+    def recover(self) -> None:
+        """Before `latest` is resolved: what crashed copies left. Local: layout.recover (a copy committed in staging
+        but not yet published is published; other staging folders go). Object storage: uncommitted step folders (a
+        copy killed mid-way) go. Best effort: a failing mirror never stops the run."""
+        try:
+            if storage.is_remote(self.root):
+                for info in layout.list_checkpoints(self.root):
+                    if not info.committed:
+                        self.guard(f"delete the interrupted mirror copy {info.path.name}")
+                        storage.rmtree(info.path)
+                        _log.info(f"mirror: removed {info.path}, an interrupted copy")
+            else:
+                self.guard("clean up the mirror")
+                layout.recover(Path(self.root), own_staging=self._staging_name)
+        except Fenced:
+            raise
+        except (OSError, CheckpointError) as e:
+            self._warn(f"cannot clean up the mirror {self.root} ({_why(e)})")
+
+    def start(self, step: int, primary) -> None:
+        """The run continues from ``step``: the mirror's checkpoints newer than it belong to a line the run left, and
+        move to ``retired/`` as the primary's do (else a later `latest` would jump back to them). Then the copier
+        thread starts, with the primary's ``step`` if the mirror lacks it (its copy was cut short by a crash)."""
+        missing = None
+        try:
+            layout.retire_newer(self.root, step, guard=self.guard)
+            src = storage.as_path(primary) / layout.step_dir_name(step)
+            if step and not (self.root / src.name / layout.COMMITTED).exists() and (src / layout.COMMITTED).exists():
+                missing = src
+        except Fenced:
+            raise
+        except (OSError, CheckpointError) as e:
+            self._warn(f"cannot move the mirror's checkpoints newer than step {step} aside ({_why(e)}); a later "
+                       "resume from `latest` may pick them")
+        self._thread = threading.Thread(target=self._run, name="ckpt-mirror", daemon=True)
+        self._thread.start()
+        if missing is not None:
+            with self._cv:
+                self._newest = (step, missing, None)
+                self._queue(step, missing, None)
+
+    def resolve_latest(self, primary) -> layout.CheckpointInfo | None:
+        """`latest` over the primary and the mirror (the newest valid checkpoint; the primary on a tie), said in one
+        line when the mirror's wins."""
+        info = layout.resolve_latest([primary, self.root], keep=True)
+        if info is not None and info.path.parent == self.root:
+            _log.info(f"resume: the primary {primary} has no valid checkpoint at or after step {info.step}; using the "
+                      f"mirror's {info.path}")
+        return info
+
+    # --- copying -------------------------------------------------------------------------------------------------
+    def protected(self) -> set[int]:
+        """The primary's steps the copier may still read: the primary's retention keeps them."""
+        with self._cv:
+            return {s for s in (self._copying, self._pending[0] if self._pending else None) if s is not None}
+
+    def submit(self, step: int, src, record=None) -> None:
+        """The primary committed ``step`` in ``src``: copy it if it is due (``every``). Never blocks: a due step still
+        waiting is replaced by this newer one."""
+        with self._cv:
+            self._newest = (step, src, record)
+            if step % self.every == 0 and not self._fenced:
+                self._queue(step, src, record)
+
+    def _queue(self, step: int, src, record) -> None:
+        if self._pending is not None:
+            self.skipped += 1
+        self._pending = (step, src, record, time.perf_counter())
+        self._cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._pending is None and not self._closing:
+                    self._cv.wait()
+                if self._pending is None:
+                    return
+                step, src, record, submitted = self._pending
+                self._pending, self._copying = None, step
+            try:
+                self._copy_with_retries(step, src, record, submitted)
+            finally:
+                with self._cv:
+                    self._copying = None
+                    self._cv.notify_all()
+
+    def _copy_with_retries(self, step: int, src, record, submitted: float) -> None:
+        delay = self.backoff_s
+        for attempt in range(1, self.retries + 1):
+            try:
+                nbytes = self._copy(step, storage.as_path(src))
+                self._retain()
+            except Fenced:
+                with self._cv:
+                    self._fenced, self._pending = True, None
+                return
+            except (OSError, CheckpointError) as e:
+                why = f"copying step {step} to the mirror {self.root} failed (attempt {attempt} of {self.retries}: " \
+                      f"{_why(e)})"
+                if not self._failing:
+                    self._failing = True
+                    self._warn(f"{why}; training continues, the copy is retried")
+                else:
+                    _log.debug(why)
+                with self._cv:  # wait before retrying, unless a newer step arrives: it replaces this one
+                    if attempt == self.retries or self._cv.wait_for(lambda: self._pending is not None, delay):
+                        break
+                delay *= 2
+                continue
+            took = time.perf_counter() - submitted
+            self.copied.append(step)
+            self.bytes += nbytes
+            self.seconds += took
+            if record is not None:
+                record.mirror_s = took  # the walltime stop counts it (policy.py)
+            if self._failing:
+                self._failing = False
+                _log.info(f"mirror: step {step} copied to {self.root} after {attempt} attempt(s); the mirror works "
+                          "again")
+            else:
+                _log.info(f"mirror: step {step} copied and verified in {self.root}: {nbytes / MiB:.1f} MiB in "
+                          f"{took:.2f}s")
+            return
+        self.failed.append(step)
+
+    def _copy(self, step: int, src) -> int:
+        """Copy the committed checkpoint ``src`` as the mirror's step ``step``; every file read back and checked
+        against the primary's manifest before COMMITTED. Returns the bytes copied."""
+        raw = (src / layout.MANIFEST).read_bytes()
+        manifest = layout.read_manifest(src)  # committed, and the manifest is the one its marker names
+        remote = storage.is_remote(self.root)
+        dst = self.root / layout.step_dir_name(step) if remote else layout.staging_dir(
+            self.root, f"mirror-{self.run_id}", step)
+        self.guard(f"mirror {dst.name}")
+        layout.prepare_step_dir(dst)
+        algorithm = manifest["checksum"]
+        delay = mirror_delay_s()
+        pause = (lambda: time.sleep(delay)) if delay > 0 else None
+        names = list(manifest["files"]) + [layout.part_record_name(r) for r in range(manifest["world_size"])]
+        nbytes = 0
+        for name in names:
+            if pause is not None:
+                pause()
+            target = dst / name
+            if not remote and "/" in name:
+                target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                storage.copy_file(src / name, target)
+            except FileNotFoundError:
+                if name in manifest["files"]:
+                    raise
+                continue  # a part record is informational; the manifest lists the payload
+            rec = manifest["files"].get(name)
+            if rec is not None:
+                size, digest = storage.checksum(target, algorithm)  # read back from the mirror: verified THERE
+                if (size, digest) != (rec["size"], rec[algorithm]):
+                    raise CheckpointError(f"{target} does not match the primary's manifest after the copy ({size} "
+                                          f"bytes, {algorithm} {digest}; expected {rec['size']}, {rec[algorithm]})")
+                nbytes += size
+        self.guard(f"commit the mirror's {dst.name}")
+        layout.write_commit(dst, raw)
+        if not remote:
+            layout.read_manifest(dst)
+            layout.publish(dst, self.root, step, guard=self.guard, tag=f"mirror-{self.run_id}")
+        return nbytes
+
+    def _retain(self) -> None:
+        layout.apply_retention(self.root, self.keep, keep_every=self.keep_every, guard=self.guard,
+                               own_staging=self._staging_name, label="mirror retention")
+
+    # --- end -----------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Mirror the newest committed checkpoint if it is not yet (the final one), then wait for the copier, at most
+        ``timeout_s``. Never raises: what did not reach the mirror is said in one warning."""
+        if self._thread is None:
+            return
+        with self._cv:
+            newest = self._newest
+            if (newest is not None and not self._fenced and newest[0] not in self.copied
+                    and newest[0] != self._copying and (self._pending is None or self._pending[0] != newest[0])):
+                self._queue(*newest)
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join(self.timeout_s)
+        if self._thread.is_alive():
+            left = self._copying if self._copying is not None else newest[0] if newest else "?"
+            self._warn(f"the final copy to the mirror {self.root} did not finish within --mirror-timeout "
+                       f"{self.timeout_s:g}s (step {left}); the primary holds it")
+        elif not storage.is_remote(self.root):
+            try:  # our staging folder, once empty (every copy published)
+                (Path(self.root) / self._staging_name).rmdir()
+            except OSError:
+                pass
+
+    def summary(self) -> str:
+        last = max(self.copied) if self.copied else "none"
+        skipped = f", {self.skipped} skipped (a newer step came first)" if self.skipped else ""
+        failed = f" (steps {', '.join(map(str, self.failed[-5:]))})" if self.failed else ""
+        return (f"mirror: {len(self.copied)} copied, {len(self.failed)} failed{failed}{skipped}, last mirrored step "
+                f"{last}, {self.bytes / MiB:.1f} MiB in {self.seconds:.1f}s to {self.root}")
+
+    def _warn(self, what: str) -> None:
+        _log.warning(f"warning: mirror: {what}")
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, OSError):
+        return f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}"
+    return str(e)

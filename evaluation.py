@@ -1,0 +1,161 @@
+"""Documented and validated checkpoints: the card each checkpoint carries, and the prediction that validates a load.
+
+The HPC practice this follows: document every checkpoint (architecture, data, hyperparameters, metrics), and after
+loading one, make a prediction and check it -- checksums catch corrupt bytes, not a wrong load (two tensors of the same
+shape swapped pass every checksum).
+
+    held out   the last --eval-windows windows of the data (dataset.hold_out): training never sees them
+    probe      the first EVAL_BATCH of them: its loss at save time goes into the card together with its tokens, so
+               `python -m checkpoint validate` and --validate-on-resume recompute it from the checkpoint alone
+    eval loss  the mean loss over every held-out window: what --keep-best ranks checkpoints by
+
+The card lives in the manifest (``meta.card``), so the manifest's checksum covers it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+EVAL_BATCH = 2  # windows per evaluation forward; the probe is the first batch
+# Across devices, dtypes or rank layouts kernels differ, so the recomputed probe loss may differ in its last bits:
+# relative tolerance per training dtype. On the same layout the loss must be bitwise the recorded one.
+TOLERANCE = {"fp64": 1e-9, "fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}
+LAYOUT_KEYS = ("device", "dtype", "attention", "world_size", "parallel")
+
+
+@torch.no_grad()
+def batch_loss(model: torch.nn.Module, windows: torch.Tensor, device: torch.device, autocast) -> float:
+    """Mean next-token loss of ``windows`` [B, T+1] in eval mode (the training mode is restored)."""
+    was_training = model.training
+    model.eval()
+    try:
+        inputs, targets = windows[:, :-1].to(device), windows[:, 1:].to(device)
+        with autocast:
+            logits = model(inputs)
+        return float(F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1)))
+    finally:
+        model.train(was_training)
+
+
+def evaluate(model: torch.nn.Module, held_out, device: torch.device, autocast) -> dict:
+    """The probe loss (first batch) and the mean loss over all held-out windows. No RNG is drawn and no weight
+    changes, so a run with evaluation is bitwise the run without."""
+    n = len(held_out)
+    losses = [(batch_loss(model, held_out.batch(range(i, min(i + EVAL_BATCH, n))), device, autocast),
+               min(EVAL_BATCH, n - i)) for i in range(0, n, EVAL_BATCH)]
+    return {"probe_loss": losses[0][0], "eval_loss": sum(loss * k for loss, k in losses) / n, "eval_windows": n}
+
+
+def git_commit(where: Path = Path(__file__).resolve().parent) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(where), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    dirty = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, timeout=10).stdout.strip()
+    return out.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def run_layout(args: argparse.Namespace, env) -> dict:
+    """What a recomputed loss depends on besides the weights: on the same layout it must be bitwise the same."""
+    return {"device": env.device.type, "dtype": args.model_dtype,
+            "attention": "flash" if args.use_flash_attention else "sdpa", "world_size": env.world_size,
+            "parallel": args.parallel if args.distributed else "none"}
+
+
+class CardMaker:
+    """Builds the card of a checkpoint: what is fixed for the run once, what changes per save when asked."""
+
+    def __init__(self, args: argparse.Namespace, env, config, num_params: int, tokenizer_name: str, fingerprint: str,
+                 probe: torch.Tensor | None, started_unix: float, version: str):
+        self.started = started_unix
+        self.static = {
+            "model": {"preset": args.model, "params": num_params, "config": dict(vars(config))},
+            "data": {"dataset": str(Path(args.dataset).resolve()), "fingerprint": fingerprint,
+                     "tokenizer": tokenizer_name, "sequence_length": args.sequence_length,
+                     "eval_windows": args.eval_windows},
+            "hyperparameters": {"learning_rate": args.learning_rate, "lr_warmup_steps": args.lr_warmup_steps,
+                                "training_steps": args.training_steps, "batch_size_per_rank": args.batch_size,
+                                "global_batch_tokens": args.batch_size * args.sequence_length * env.world_size,
+                                "grad_max_norm": args.grad_max_norm, "optimizer": "AdamW(betas=(0.9, 0.95), wd=0.1)",
+                                "seed": args.seed, "checkpoint_backend": args.checkpoint_backend},
+            "retention": {"keep": args.max_kept_checkpoints, "keep_every": args.keep_every,
+                          "keep_best": args.keep_best},
+            "layout": run_layout(args, env),
+            "versions": {"pyrecover": version, "torch": str(torch.__version__), "git_commit": git_commit()},
+        }
+        if args.checkpoint_note:
+            self.static["note"] = args.checkpoint_note
+        self.probe_tokens = probe.tolist() if probe is not None else None
+
+    def __call__(self, *, step: int, tokens_seen: int, losses: list[float], lr: float | None,
+                 evaluation: dict | None) -> dict:
+        card = dict(self.static)
+        card["progress"] = {"step": step, "tokens_seen": tokens_seen,
+                            "loss_last": losses[-1] if losses else None,
+                            "loss_mean": sum(losses) / len(losses) if losses else None,
+                            "loss_steps": len(losses), "learning_rate": lr}
+        card["time"] = {"saved_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        "run_wall_s": round(time.time() - self.started, 3)}
+        if evaluation is not None:
+            card["eval"] = dict(evaluation, probe_tokens=self.probe_tokens)
+        return card
+
+
+def check_prediction(card: dict, loss: float, here: dict) -> tuple[bool, str]:
+    """Compare a recomputed probe loss with the one recorded at save time: bitwise on the same layout (device, dtype,
+    attention, ranks), else within TOLERANCE. Returns (ok, one line saying what was compared)."""
+    recorded = card["eval"]["probe_loss"]
+    saved_layout = card.get("layout", {})
+    same = all(saved_layout.get(k) == here.get(k) for k in LAYOUT_KEYS)
+    where = "/".join(str(here.get(k)) for k in LAYOUT_KEYS)
+    if same:
+        ok = loss == recorded
+        rule = f"bitwise on the saving layout {where}"
+    else:
+        tol = TOLERANCE.get(saved_layout.get("dtype", "fp32"), 1e-4)
+        ok = abs(loss - recorded) <= tol * max(1.0, abs(recorded))
+        rule = (f"within {tol:g} relative: saved on {'/'.join(str(saved_layout.get(k)) for k in LAYOUT_KEYS)}, "
+                f"recomputed on {where}")
+    return ok, f"probe loss {loss!r} recomputed, {recorded!r} recorded at save ({rule})"
+
+
+def validate_checkpoint(step_dir: Path, manifest: dict, device: str = "cpu") -> tuple[bool, str]:
+    """`python -m checkpoint validate`: rebuild the model from the card, load the checkpoint's weights (any backend,
+    any world size), recompute the probe loss in one process on ``device`` and compare. Raises CheckpointError when
+    the checkpoint holds nothing to compare with."""
+    import distributed
+    from checkpoint.errors import CheckpointError
+    from checkpoint.reader import read_section
+    from model import ModelConfig, Transformer
+
+    card = manifest.get("meta", {}).get("card")
+    if not card or "eval" not in card or not card["eval"].get("probe_tokens"):
+        why = "a just-in-time save" if manifest.get("meta", {}).get("jit") else "saved without held-out data"
+        raise CheckpointError(f"{step_dir}: no probe loss recorded ({why}); nothing to validate by prediction; "
+                              "`python -m checkpoint verify` checks its bytes")
+    dtype = card["layout"]["dtype"]
+    torch.manual_seed(0)  # the weights are overwritten below; seeding only keeps construction quiet and repeatable
+    model = Transformer(ModelConfig(**card["model"]["config"]))
+    model.to(device=device, dtype=distributed.param_dtype(dtype))
+    weights = {k: v for k, v in read_section(step_dir, "model").items() if isinstance(v, torch.Tensor)}
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{step_dir}: the weights do not fit the model of its card: "
+                              f"{str(e).splitlines()[0]}") from None
+    here = {"device": torch.device(device).type, "dtype": dtype, "attention": "sdpa", "world_size": 1,
+            "parallel": "none"}
+    autocast = (torch.autocast(device_type=here["device"], dtype=distributed.DTYPES[dtype])
+                if dtype in ("bf16", "fp16") else torch.autocast(here["device"], enabled=False))
+    probe = torch.tensor(card["eval"]["probe_tokens"], dtype=torch.long)
+    return check_prediction(card, batch_loss(model, probe, torch.device(device), autocast), here)
