@@ -350,7 +350,8 @@ def build_checkpointing(args: argparse.Namespace, run: Run, checked: Checked, si
     mirror = None  # --mirror-dir: rank 0 copies every committed checkpoint (checkpoint/mirror.py)
     if args.mirror_dir and env.is_main:
         mirror = Mirror(storage.as_path(args.mirror_dir) / args.experiment_name, run_id=run_id[0],
-                        every=args.mirror_every, keep_every=args.keep_every, timeout_s=args.mirror_timeout,
+                        every=args.mirror_every, keep_every=args.keep_every, keep_best=args.keep_best,
+                        timeout_s=args.mirror_timeout,
                         keep=args.max_kept_checkpoints if args.mirror_keep is None else args.mirror_keep)
     manager = CheckpointManager(checked.run_root, checked.backend, env,
                                 run_id=run_id[0], keep=args.max_kept_checkpoints, keep_every=args.keep_every,

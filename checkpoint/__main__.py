@@ -92,24 +92,30 @@ def cmd_list(path: Path) -> int:
     return 0
 
 
-def cmd_verify(path: Path) -> int:
-    bad = 0
+def _check_each(path: Path, check) -> int:
+    """Run ``check(info, manifest) -> (ok, text)`` on one step folder or every committed one under ``path``, after its
+    sizes and checksums verify; one line each. Exit code 1 if any failed."""
     targets = _targets(path)
     if not targets:
         print(f"error: no checkpoints under {path}", file=sys.stderr)
         return 2
+    bad = 0
     for info in targets:
         if not info.committed:
             print(f"{info.path}: not committed")
             bad += 1
             continue
         try:
-            manifest = layout.verify(info.path)
-            print(f"{info.path}: OK ({len(manifest['files'])} files verified)")
+            ok, text = check(info, layout.verify(info.path))
         except CheckpointError as e:
-            print(f"{info.path}: FAILED: {e}")
-            bad += 1
+            ok, text = False, f"FAILED: {e}"
+        print(f"{info.path}: {text}")
+        bad += not ok
     return 1 if bad else 0
+
+
+def cmd_verify(path: Path) -> int:
+    return _check_each(path, lambda info, manifest: (True, f"OK ({len(manifest['files'])} files verified)"))
 
 
 def _show_card(card: dict) -> None:
@@ -159,22 +165,11 @@ def cmd_validate(path: Path, device: str = "cpu") -> int:
     """Recompute each committed checkpoint's probe loss from its weights alone and compare it with its card."""
     from evaluation import validate_checkpoint  # the model definition lives with the training script
 
-    bad = 0
-    for info in _targets(path):
-        if not info.committed:
-            print(f"{info.path}: not committed")
-            bad += 1
-            continue
-        try:
-            manifest = layout.verify(info.path)
-        except CheckpointError as e:
-            print(f"{info.path}: FAILED: {e}")
-            bad += 1
-            continue
+    def check(info: layout.CheckpointInfo, manifest: dict) -> tuple[bool, str]:
         ok, line = validate_checkpoint(info.path, manifest, device)
-        print(f"{info.path}: {'OK' if ok else 'FAILED'}: {line}")
-        bad += not ok
-    return 1 if bad else 0
+        return ok, f"{'OK' if ok else 'FAILED'}: {line}"
+
+    return _check_each(path, check)
 
 
 def main(argv: list[str] | None = None) -> int:
