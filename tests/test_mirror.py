@@ -12,6 +12,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from helpers import PY, ROOT, TINY, check_weights, env_for_tests, loss_rows, run_train
 
 STEPS = 8
@@ -87,6 +89,24 @@ def test_primary_deleted_resumes_from_the_mirror_bitwise(tmp_path, corpus):
     assert loss_rows(csv) == loss_rows(ref / "loss.csv")
     assert committed(tmp_path / "p" / "default")[-1] == STEPS  # the primary works again from there
     assert committed(tmp_path / "m" / "default")[-1] == STEPS
+
+
+@pytest.mark.parametrize("backend", ["dcp"])  # vanilla above; concurrent writes the same files
+def test_every_backend_mirrors_and_resumes_from_the_mirror(tmp_path, corpus, backend):
+    """The mirror copies what the manifest lists, whatever the layout of the backend's files (dcp: its own file names
+    and metadata): the mirror's checkpoint is the primary's, and a resume with the primary gone loads it."""
+    run = flags(corpus, tmp_path / "p", tmp_path / "m", "--checkpoint-frequency", "2", "--checkpoint-backend", backend,
+                steps=4)
+    ok(run_train(run))
+    primary, mirror = tmp_path / "p" / "default", tmp_path / "m" / "default"
+    assert committed(mirror) == [4] or committed(mirror) == [2, 4], committed(mirror)
+    same = check_weights(primary / "step-00000004", mirror / "step-00000004", "--tolerance", "0", "--optimizer")
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert verify(mirror).returncode == 0
+    shutil.rmtree(tmp_path / "p")
+    out = ok(run_train(run + ["--resume-from-checkpoint", "latest", "--training-steps", "6"]))
+    assert f"resumed from {mirror / 'step-00000004'} (step 4, {backend} backend" in out, out[-3000:]
+    assert committed(primary)[-1] == 6 and committed(mirror)[-1] == 6
 
 
 def test_sigkill_while_mirroring_leaves_no_committed_partial(tmp_path, corpus):
