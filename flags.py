@@ -144,9 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
          help="at the end, wait at most this long for the final checkpoint to reach the mirror")
 
     g = p.add_argument_group("documented and validated checkpoints -- see evaluation.py")
-    flag("--eval-windows", type=int, default=8, metavar="N",
+    flag("--eval-windows", type=int, default=2, metavar="N",
          help="hold the last N windows of the data out of training; at every save their loss (the probe: the first "
-              "2) goes into the checkpoint's card (0 = no held-out data: no probe, no eval loss, no --keep-best)")
+              "2) goes into the checkpoint's card, one forward pass of 2 windows per 2 held out (0 = no held-out data: "
+              "no probe, no eval loss, no --keep-best; with --keep-best give 16 or more for a steadier ranking)")
     flag("--keep-best", type=int, default=0, metavar="K",
          help="retention also keeps the K checkpoints with the lowest held-out eval loss (`python -m checkpoint list` "
               "marks them)")
@@ -194,7 +195,7 @@ def check_numeric_flags(args: argparse.Namespace) -> None:
         raise BadInput(f"--seed {args.seed} is too large; give a number below 2**63")
     if args.eval_windows == 0 and (args.keep_best or args.validate_on_resume):
         need = "--keep-best" if args.keep_best else "--validate-on-resume"
-        raise BadInput(f"{need} needs held-out data, but --eval-windows is 0; give --eval-windows N (e.g. 8)")
+        raise BadInput(f"{need} needs held-out data, but --eval-windows is 0; give --eval-windows N (e.g. 16)")
     if args.profile and args.profile_step_end < args.profile_step_start:
         raise BadInput(f"--profile-step-end {args.profile_step_end} is before --profile-step-start "
                        f"{args.profile_step_start}; give an end step >= the start step")

@@ -201,8 +201,10 @@ def _train(args: list[str], env: dict) -> str:
 
 def bench_training(folder: Path, steps: int, repeats: int, dataset: str) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # --eval-windows 0: the checkpoint byte path alone; the card's held-out evaluation at each save (one forward pass)
+    # is measured on its own (README "Validation by prediction").
     base = ["--model", "small", "--batch-size", "2", "--sequence-length", "64", "--dataset", dataset,
-            "--logging-frequency", "1000"]
+            "--logging-frequency", "1000", "--eval-windows", "0"]
     loops: dict[str, list[float]] = {k: [] for k in CONFIGS}
     for r in range(repeats):
         for name, extra in CONFIGS.items():  # alternated: every round runs every configuration once

@@ -47,7 +47,7 @@ def test_card_list_inspect_and_offline_validation(tmp_path, corpus):
     assert card["model"]["config"]["dim"] == 64
     assert card["data"]["dataset"] == str(Path(corpus).resolve())
     assert re.fullmatch(r"xxh3:[0-9a-f]{16}", card["data"]["fingerprint"])
-    assert card["data"]["tokenizer"] == "mistral-sp-32k" and card["data"]["eval_windows"] == 8
+    assert card["data"]["tokenizer"] == "mistral-sp-32k" and card["data"]["eval_windows"] == 2
     assert card["hyperparameters"]["learning_rate"] == 1e-3 and card["hyperparameters"]["batch_size_per_rank"] == 4
     assert card["layout"] == {"device": "cpu", "dtype": "fp32", "attention": "sdpa", "world_size": 1,
                               "parallel": "none"}
@@ -140,7 +140,8 @@ def test_validation_of_a_two_rank_fsdp_checkpoint(tmp_path, corpus):
 def test_keep_best_keeps_the_lowest_eval_loss(tmp_path, corpus):
     """A learning rate high enough that the held-out loss goes up and down: the K best are not simply the newest."""
     base = TINY + ["--dataset", corpus, "--checkpoint-dir", str(tmp_path), "--training-steps", "4",
-                   "--checkpoint-frequency", "1", "--learning-rate", "0.2", "--lr-warmup-steps", "0"]
+                   "--checkpoint-frequency", "1", "--learning-rate", "0.2", "--lr-warmup-steps", "0",
+                   "--eval-windows", "8"]
     run_train(base + ["--experiment_name", "all", "--max-kept-checkpoints", "0"], check=True)
     losses = {s: manifest(tmp_path / "all" / f"step-{s:08d}")["meta"]["card"]["eval"]["eval_loss"]
               for s in committed(tmp_path / "all")}
