@@ -15,6 +15,7 @@ The card lives in the manifest (``meta.card``), so the manifest's checksum cover
 from __future__ import annotations
 
 import argparse
+import platform
 import subprocess
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ EVAL_BATCH = 2  # windows per evaluation forward; the probe is the first batch
 # Across devices, dtypes or rank layouts kernels differ, so the recomputed probe loss may differ in its last bits:
 # relative tolerance per training dtype. On the same layout the loss must be bitwise the recorded one.
 TOLERANCE = {"fp64": 1e-9, "fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}
-LAYOUT_KEYS = ("device", "dtype", "attention", "world_size", "parallel")
+LAYOUT_KEYS = ("device", "dtype", "attention", "world_size", "parallel", "hardware", "torch")
 
 
 @torch.no_grad()
@@ -56,20 +57,28 @@ def git_commit(where: Path = Path(__file__).resolve().parent) -> str | None:
     try:
         out = subprocess.run(["git", "-C", str(where), "rev-parse", "--short=12", "HEAD"], capture_output=True,
                              text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):  # no git, or a filesystem too slow to ask: the card says null
         return None
-    if out.returncode != 0:
-        return None
-    dirty = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True, timeout=10).stdout.strip()
     return out.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def hardware(device: torch.device) -> str:
+    """The kernels' hardware: the GPU's name, or the CPU architecture (another GPU model may round differently)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device).replace("/", " ")
+    return platform.machine() or "cpu"
 
 
 def run_layout(args: argparse.Namespace, env) -> dict:
     """What a recomputed loss depends on besides the weights: on the same layout it must be bitwise the same."""
     return {"device": env.device.type, "dtype": args.model_dtype,
             "attention": "flash" if args.use_flash_attention else "sdpa", "world_size": env.world_size,
-            "parallel": args.parallel if args.distributed else "none"}
+            "parallel": args.parallel if args.distributed else "none", "hardware": hardware(env.device),
+            "torch": str(torch.__version__)}
 
 
 class CardMaker:
@@ -145,17 +154,25 @@ def validate_checkpoint(step_dir: Path, manifest: dict, device: str = "cpu") -> 
                               "`python -m checkpoint verify` checks its bytes")
     dtype = card["layout"]["dtype"]
     torch.manual_seed(0)  # the weights are overwritten below; seeding only keeps construction quiet and repeatable
-    model = Transformer(ModelConfig(**card["model"]["config"]))
-    model.to(device=device, dtype=distributed.param_dtype(dtype))
+    try:
+        model = Transformer(ModelConfig(**card["model"]["config"]))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{step_dir}: the card's model shape is not one this model.py builds ({e})") from None
+    model.to(dtype=distributed.param_dtype(dtype))
     weights = {k: v for k, v in read_section(step_dir, "model").items() if isinstance(v, torch.Tensor)}
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as e:
         raise CheckpointError(f"{step_dir}: the weights do not fit the model of its card: "
                               f"{str(e).splitlines()[0]}") from None
-    here = {"device": torch.device(device).type, "dtype": dtype, "attention": "sdpa", "world_size": 1,
-            "parallel": "none"}
+    try:
+        device = torch.device(device)
+        model.to(device)
+        here = {"device": device.type, "dtype": dtype, "attention": "sdpa", "world_size": 1, "parallel": "none",
+                "hardware": hardware(device), "torch": str(torch.__version__)}
+    except (RuntimeError, AssertionError) as e:  # e.g. --device cuda on a machine without one
+        raise CheckpointError(f"cannot validate on device {device}: {str(e).splitlines()[0]}; use --device cpu") from None
     autocast = (torch.autocast(device_type=here["device"], dtype=distributed.DTYPES[dtype])
                 if dtype in ("bf16", "fp16") else torch.autocast(here["device"], enabled=False))
     probe = torch.tensor(card["eval"]["probe_tokens"], dtype=torch.long)
-    return check_prediction(card, batch_loss(model, probe, torch.device(device), autocast), here)
+    return check_prediction(card, batch_loss(model, probe, device, autocast), here)

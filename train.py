@@ -349,9 +349,12 @@ def build_checkpointing(args: argparse.Namespace, run: Run, checked: Checked, si
         lease.start_heartbeat()
     mirror = None  # --mirror-dir: rank 0 copies every committed checkpoint (checkpoint/mirror.py)
     if args.mirror_dir and env.is_main:
+        # The other ranks wait in a collective while rank 0 waits for the final copy: stay inside its timeout.
+        wait = args.mirror_timeout if env.world_size == 1 else min(args.mirror_timeout,
+                                                                    0.8 * (args.pg_timeout_seconds or 600.0))
         mirror = Mirror(storage.as_path(args.mirror_dir) / args.experiment_name, run_id=run_id[0],
                         every=args.mirror_every, keep_every=args.keep_every, keep_best=args.keep_best,
-                        timeout_s=args.mirror_timeout,
+                        timeout_s=wait,
                         keep=args.max_kept_checkpoints if args.mirror_keep is None else args.mirror_keep)
     manager = CheckpointManager(checked.run_root, checked.backend, env,
                                 run_id=run_id[0], keep=args.max_kept_checkpoints, keep_every=args.keep_every,
@@ -364,6 +367,8 @@ def build_checkpointing(args: argparse.Namespace, run: Run, checked: Checked, si
 
     def reconcile(step: int | None) -> None:  # right after the load, before begin() moves anything aside
         applied.extend(apply_resume_flags(args, run_info, step, run.optimizer, run.scheduler))
+        if step is not None and args.validate_on_resume:
+            validate_loaded(args, run, manager.loaded)
 
     try:
         step = manager.begin(args.resume_from_checkpoint, state, keep_files=("loss.csv",), after_load=reconcile)
@@ -379,8 +384,6 @@ def build_checkpointing(args: argparse.Namespace, run: Run, checked: Checked, si
     policy = stop_policy.from_args(args, rank=env.rank, agree=lambda v: distributed.all_reduce_max(v, env),
                                    signals=signals, save_history=manager.history, start=started,
                                    fenced=(lambda: manager.fenced) if env.is_main else None)
-    if step is not None and args.validate_on_resume:
-        validate_loaded(args, run, checked, manager.loaded)
     return Checkpointing(args, env, manager, state, lease, step, policy, documenter(args, run, checked, started))
 
 
@@ -405,11 +408,14 @@ def documenter(args: argparse.Namespace, run: Run, checked: Checked, started: fl
     return lambda step, metrics, evaluate=False: describe(step, metrics, evaluate)
 
 
-def validate_loaded(args: argparse.Namespace, run: Run, checked: Checked, info: layout.CheckpointInfo) -> None:
+def validate_loaded(args: argparse.Namespace, run: Run, info: layout.CheckpointInfo) -> None:
     """--validate-on-resume: the loaded weights must predict the probe batch as they did at save time (every rank
     computes it: the same answer everywhere, so all refuse together)."""
     knobs.swap_after_load(unwrap_model(run.model))  # test-only: a wrong load that passes every checksum
     card = info.manifest.get("meta", {}).get("card", {})
+    if "eval" not in card and info.manifest.get("meta", {}).get("jit"):  # a requeue after a peer failure goes on
+        log.info(f"validate-on-resume: {info.path} is a just-in-time save (no forward pass, no probe): not validated")
+        return
     if "eval" not in card:
         raise BadInput(f"--validate-on-resume: {info.path} records no probe loss (a just-in-time save, or saved "
                        "without held-out data); resume without --validate-on-resume, or from another step")

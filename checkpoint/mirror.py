@@ -155,6 +155,8 @@ class Mirror:
         """The primary committed ``step`` in ``src``: copy it if it is due (``every``). Never blocks: a due step still
         waiting is replaced by this newer one."""
         with self._cv:
+            if self._newest is not None and step < self._newest[0]:
+                return  # saves commit out of order (--max-async): the mirror follows the newest, never goes back
             self._newest = (step, src, record)
             if step % self.every == 0 and not self._fenced:
                 self._queue(step, src, record)
@@ -176,6 +178,10 @@ class Mirror:
                 self._pending, self._copying = None, step
             try:
                 self._copy_with_retries(step, src, record, submitted)
+            except Exception as e:  # noqa: BLE001 - a bug here must not end mirroring unseen; training goes on
+                _log.exception(f"warning: mirror: copying step {step} failed unexpectedly")
+                self.failed.append(step)
+                self._warn(f"copying step {step} failed ({type(e).__name__}: {e}); later checkpoints are still tried")
             finally:
                 with self._cv:
                     self._copying = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -50,7 +51,7 @@ def test_card_list_inspect_and_offline_validation(tmp_path, corpus):
     assert card["data"]["tokenizer"] == "mistral-sp-32k" and card["data"]["eval_windows"] == 2
     assert card["hyperparameters"]["learning_rate"] == 1e-3 and card["hyperparameters"]["batch_size_per_rank"] == 4
     assert card["layout"] == {"device": "cpu", "dtype": "fp32", "attention": "sdpa", "world_size": 1,
-                              "parallel": "none"}
+                              "parallel": "none", "hardware": platform.machine(), "torch": str(torch.__version__)}
     progress = card["progress"]
     assert progress["step"] == 6 and progress["tokens_seen"] == 6 * 4 * 32 and progress["loss_steps"] == 3
     assert min(1e9, progress["loss_mean"]) > 0 and progress["learning_rate"] > 0

@@ -368,9 +368,9 @@ def jit_reference(corpus, tmp_path_factory) -> Path:
     return ckpt / EXP
 
 
-def _resume(corpus: str, ckpt: Path) -> tuple[float, str]:
+def _resume(corpus: str, ckpt: Path, *extra: str) -> tuple[float, str]:
     t0 = time.perf_counter()
-    results = _finish(_plain_ranks(_jit_args(corpus, ckpt)))
+    results = _finish(_plain_ranks(_jit_args(corpus, ckpt, *extra)))
     assert all(rc == 0 for rc, _ in results), "\n".join(f"rank {r} exit {rc}:\n{out[-2500:]}"
                                                         for r, (rc, out) in enumerate(results))
     return time.perf_counter() - t0, results[0][1]
@@ -396,9 +396,13 @@ def test_jit_rank_killed_mid_step_saves_last_step_and_resumes_bit_exact(corpus, 
     manifest = layout.verify(step_dir(exp, CRASH_AT - 1))
     assert manifest["meta"]["jit"] is True and manifest["world_size"] == 2 and manifest["meta"]["rng_exact"] is True
     assert {"rank-00000.pt", "rank-00001.pt", "model.pt", "optimizer.pt"} <= set(manifest["files"])
+    card = manifest["meta"]["card"]  # documented like any checkpoint, but no forward pass in a failure path: no probe
+    assert card["progress"]["step"] == CRASH_AT - 1 and "eval" not in card
 
-    jit_resume_s, out = _resume(corpus, jit_ckpt)
+    # --validate-on-resume does not strand a requeued job on a just-in-time save: it says so and goes on.
+    jit_resume_s, out = _resume(corpus, jit_ckpt, "--validate-on-resume")
     assert re.search(rf"resumed from \S+step-{CRASH_AT - 1:08d} \(step {CRASH_AT - 1}", out)
+    assert "is a just-in-time save (no forward pass, no probe): not validated" in out, out[-3000:]
     assert_same_as(jit_reference, exp, JIT_STEPS)
 
     # The alternative: periodic checkpoints only.
