@@ -319,6 +319,9 @@ def _prepare_out(out: Path, force: bool, source: Path) -> None:
             (src is not None and (src == resolved or resolved in src.parents)):
         raise CheckpointError(f"{out} holds checkpoints; --force replaces only an earlier export, never a checkpoint "
                               "folder")
+    if not (resolved / "config.json").is_file() or not any(resolved.glob("*.safetensors")):
+        raise CheckpointError(f"{out} is not an earlier export (no config.json and *.safetensors); --force replaces "
+                              "only that: choose another OUT")
 
 
 def _publish(staging: Path, out: Path) -> None:
@@ -327,7 +330,12 @@ def _publish(staging: Path, out: Path) -> None:
     if out.is_dir() and any(out.iterdir()):
         old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
         os.rename(out, old)
-    os.replace(staging, out)  # over an empty OUT folder, or to a new name
+    try:
+        os.replace(staging, out)  # over an empty OUT folder, or to a new name
+    except OSError:
+        if old is not None:
+            os.rename(old, out)  # the earlier export stays where it was
+        raise
     fsio.fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old)
@@ -358,6 +366,7 @@ def export_hf(src, out, *, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, dtype: 
 
     import safetensors.torch  # the format transformers loads, written by its own library
 
+    out = Path(os.path.abspath(out))  # `.` or `..` has no name to put a hidden staging folder beside
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:8]}")
     staging.mkdir()

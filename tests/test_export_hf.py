@@ -155,9 +155,14 @@ def test_refusals_are_one_line_and_force_replaces_only_an_export(runs, tmp_path)
     _refused(export(src, src, "--to", "hf", "--force"), "holds checkpoints")
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.*"))
 
-    _ok(export(src, out, "--to", "hf", "--force", "--dtype", "bfloat16"))  # replaces an earlier export
-    assert not (out / "notes.txt").exists() and not list(tmp_path.glob(".hf.*"))
-    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    _refused(export(src, out, "--to", "hf", "--force"), "is not an earlier export")  # someone's folder stays
+    assert (out / "notes.txt").read_text() == "mine"
+
+    again = tmp_path / "hf-again"
+    _ok(export(src, again, "--to", "hf"))
+    _ok(export(src, again, "--to", "hf", "--force", "--dtype", "bfloat16"))  # replaces an earlier export
+    assert not list(tmp_path.glob(".hf-again.*"))
+    assert json.loads((again / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
 def test_the_model_shape_comes_from_the_card_when_there_is_one_else_from_run_info(runs):
