@@ -267,13 +267,20 @@ def _check_time_limit(r: dict, reference: Path) -> str:
     return out
 
 
-def test_node_loss_with_jit_resumes_from_the_last_completed_step(campaign):
-    r = campaign("test_node_loss_with_jit_resumes_from_the_last_completed_step")
+def _node_lost_then_requeued(campaign, name: str):
+    """The scenario's result, its job and output, and the output before the requeue: the job ended well after one
+    requeue, and SLURM saw the node fail."""
+    r = campaign(name)
     job, info = r["job"], r["info"]
     out = job.output()
     assert info.get("ExitCode") == "0:0" and int(info.get("Restarts", 0)) >= 1, info
     first = out.split("requeued run (SLURM_RESTART_COUNT=1)", 1)[0]
     assert re.search(rf"Node failure on {r['victim']}|NODE FAILURE", first), first[-3000:]
+    return r, job, out, first
+
+
+def test_node_loss_with_jit_resumes_from_the_last_completed_step(campaign):
+    r, job, out, first = _node_lost_then_requeued(campaign, "test_node_loss_with_jit_resumes_from_the_last_completed_step")
     m = re.search(r"jit: rank 0 saved step (\d+) to \S+", first)
     assert m, first[-4000:]
     saved = int(m.group(1))
@@ -283,13 +290,9 @@ def test_node_loss_with_jit_resumes_from_the_last_completed_step(campaign):
 
 
 def test_node_loss_without_jit_resumes_from_the_last_periodic_checkpoint(campaign):
-    r = campaign("test_node_loss_without_jit_resumes_from_the_last_periodic_checkpoint")
-    job, info = r["job"], r["info"]
-    out = job.output()
-    assert info.get("ExitCode") == "0:0" and int(info.get("Restarts", 0)) >= 1, info
-    first = out.split("requeued run (SLURM_RESTART_COUNT=1)", 1)[0]
+    _, job, out, first = _node_lost_then_requeued(
+        campaign, "test_node_loss_without_jit_resumes_from_the_last_periodic_checkpoint")
     assert "jit:" not in first and "checkpoint step 25 committed" in first, first[-3000:]
-    assert re.search(rf"Node failure on {r['victim']}|NODE FAILURE", first), first[-3000:]
     # the steps after the periodic checkpoint are redone; the loss CSV keeps each step once
     assert_resumed_and_finished(job, out, 25, campaign("reference"), runs=2)
 
