@@ -84,7 +84,8 @@ def run_layout(args: argparse.Namespace, env) -> dict:
 class CardMaker:
     """Builds the card of a checkpoint: what is fixed for the run once, what changes per save when asked."""
 
-    def __init__(self, args: argparse.Namespace, env, config, num_params: int, tokenizer_name: str, fingerprint: str,
+    def __init__(self, args: argparse.Namespace, env, config, num_params: int, tokenizer_name: str,
+                 fingerprint: str | None,
                  probe: torch.Tensor | None, started_unix: float, version: str):
         self.started = started_unix
         self.static = {

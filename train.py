@@ -272,7 +272,7 @@ class Checkpointing:
                  policy: stop_policy.StepBoundary, describe):
         self.args, self.env, self.manager, self.state, self.lease = args, env, manager, state, lease
         self.resumed_step, self.policy = resumed_step, policy
-        self.describe = describe  # (step, metrics, evaluate) -> the checkpoint's manifest meta (its card)
+        self.describe = describe  # (step, metrics, evaluate_now) -> the checkpoint's manifest meta (its card)
         self.saved_at: int | None = None
         self.failed_at: int | None = None  # --on-save-error continue: the final checkpoint must still exist
 
@@ -284,7 +284,7 @@ class Checkpointing:
             self.manager.poll()  # surface background save errors at a step boundary
             if decision.save:
                 metrics.sync()
-                self.manager.save(step, self.state, meta=self.describe(step, metrics, evaluate=True))
+                self.manager.save(step, self.state, meta=self.describe(step, metrics, evaluate_now=True))
                 self.saved_at = step
         except run_lease.Fenced:
             pass  # a newer incarnation owns the run directory: the policy's next vote stops every rank, saving nothing
@@ -394,18 +394,20 @@ def documenter(args: argparse.Namespace, run: Run, checked: Checked, started: fl
     env, model = run.env, unwrap_model(run.model)
     probe = checked.held_out.batch(range(min(EVAL_BATCH, len(checked.held_out)))) if checked.held_out else None
     parts = [checked.windows.tokens] + ([checked.held_out.tokens] if checked.held_out else [])
-    make = CardMaker(args, env, checked.config, model.num_params(), checked.tokenizer.name, fingerprint(*parts), probe,
-                     started, __version__)
+    # Only rank 0 commits a card (any rank may, in a just-in-time save): the others skip hashing the data at start-up.
+    writes = env.is_main or args.jit_checkpoint
+    make = CardMaker(args, env, checked.config, model.num_params(), checked.tokenizer.name,
+                     fingerprint(*parts) if writes else None, probe, started, __version__)
     everyone = env.distributed and args.parallel == "fsdp"
 
-    def describe(step: int, metrics: Metrics, evaluate_now: bool) -> dict:
+    def describe(step: int, metrics: Metrics, evaluate_now: bool = False) -> dict:
         evaluation = None
         if evaluate_now and checked.held_out is not None and (env.is_main or everyone):
             evaluation = evaluate(model, checked.held_out, env.device, run.autocast)
         return {"card": make(step=step, tokens_seen=run.train.tokens_seen, losses=metrics.take_interval(),
                              lr=metrics.last_lr, evaluation=evaluation)}
 
-    return lambda step, metrics, evaluate=False: describe(step, metrics, evaluate)
+    return describe
 
 
 def validate_loaded(args: argparse.Namespace, run: Run, info: layout.CheckpointInfo) -> None:
