@@ -15,7 +15,11 @@ the tail that does not fill a window is dropped.
 
 The token stream is cached as a uint32 ``.npy`` next to the parquet file
 (``<data>.<tokenizer>.<key>.tokens.npy``, key = hash of file size + mtime_ns), written atomically, memory-mapped on
-later starts; a truncated or corrupt cache is detected and rebuilt.
+later starts. Its xxh3 checksum, computed as it is written, follows the array in the file; a cache is used only if the
+whole array matches it when opened (truncated, corrupt or unchecksummed: rebuilt, in one line). Where the data's folder
+cannot take a cache (read-only, no permission, full), it goes to the per-user cache folder (``user_cache_folder``:
+$PYRECOVER_CACHE_DIR, else $XDG_CACHE_HOME/pyrecover/tokens, else ~/.cache/pyrecover/tokens; the name also keys the
+data's absolute path); where no folder can, the tokens are made in memory at every start.
 
 Loader order: epoch ``e`` uses ``torch.randperm(num_windows)`` from a generator seeded by (seed, e). Global batch
 ``g`` is ``perm[pos : pos + batch_size * world_size]`` and rank ``r`` takes ``[r*batch_size : (r+1)*batch_size]`` of
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import glob
 import hashlib
 import importlib.metadata
@@ -42,6 +47,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 import torch
+import xxhash
 
 from checkpoint.fsio import atomic_file  # the one implementation of tmp + fsync + rename + fsync-dir
 from tokenizer import (DEFAULT_TOKENIZER, TOKENIZER_NAMES, DataError, Tokenizer, brief_error, load_tokenizer,
@@ -91,9 +97,16 @@ def _file_lock(path: Path) -> Iterator[bool]:
 # Parquet -> token cache
 # ---------------------------------------------------------------------------------------------------------------------
 
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: the checksum trailer
 _TOKEN_DTYPE = np.dtype("<u4")
 _NPY_HEADER_LEN = 128  # numpy pads a 1-D header to this size for any length (its "growth axis" padding)
+# After the array: this magic and the xxh3-64 digest of the token bytes. numpy reads only the array its header
+# describes, so the cache stays a plain .npy, and the digest is committed by the same rename as the tokens it covers.
+_CHECKSUM_MAGIC = b"PRXXH3\0\0"
+_TRAILER_LEN = len(_CHECKSUM_MAGIC) + 8
+# A cache write fails with these where the folder (or its disk) cannot take one: the next place is tried.
+_CANNOT_WRITE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
+                           errno.EEXIST})
 _CHUNK_CHARS = 4_000_000  # text handed to the tokenizer per call: bounds memory of the Python id lists
 
 
@@ -153,8 +166,8 @@ def _npy_header(n: int) -> bytes:
     return header
 
 
-def _tokenize_to(pf, tokenizer: Tokenizer, out) -> tuple[int, int]:
-    """Stream the token ids (uint32, EOS after each document) into ``out``; returns (docs, tokens)."""
+def _tokenize_to(pf, tokenizer: Tokenizer, out, digest=None) -> tuple[int, int]:
+    """Stream the token ids (uint32, EOS after each document) into ``out`` (and ``digest``); returns (docs, tokens)."""
     eos = np.array([tokenizer.eos_id], dtype=_TOKEN_DTYPE)
     docs = tokens = 0
     for texts in _iter_text_chunks(pf):
@@ -167,20 +180,51 @@ def _tokenize_to(pf, tokenizer: Tokenizer, out) -> tuple[int, int]:
             docs += 1
         if parts:
             arr = np.concatenate(parts)
-            out.write(arr.tobytes())
+            if int(arr.max()) >= tokenizer.vocab_size:  # checked once here: the checksum keeps it true in the cache
+                raise DataError(f"tokenizer {tokenizer.name} gave token id {int(arr.max())}, outside its vocabulary of "
+                                f"{tokenizer.vocab_size}; its files are inconsistent: reinstall it or use another one")
+            data = arr.tobytes()
+            out.write(data)
+            if digest is not None:
+                digest.update(data)
             tokens += len(arr)
     return docs, tokens
 
 
-def _cache_path(path: Path, tokenizer: Tokenizer) -> Path:
+def user_cache_folder() -> Path:
+    """Where token caches go when the data's own folder cannot take one: $PYRECOVER_CACHE_DIR, else
+    $XDG_CACHE_HOME/pyrecover/tokens, else ~/.cache/pyrecover/tokens."""
+    if os.environ.get("PYRECOVER_CACHE_DIR"):
+        return Path(os.environ["PYRECOVER_CACHE_DIR"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "pyrecover" / "tokens"
+
+
+def _cache_path(path: Path, tokenizer: Tokenizer, folder: Path | None = None) -> Path:
+    """The cache of ``path``'s tokens: beside it (``folder`` None), keyed by its size and mtime, so that data moved
+    together with its cache keeps it; in another folder also by its absolute path, since one folder then serves data
+    files of the same name from many places."""
     st = path.stat()
     key = sha16(f"{st.st_size}:{st.st_mtime_ns}:{_CACHE_FORMAT}".encode())[:12]
     safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in tokenizer.name)
-    return path.with_name(f"{path.name}.{safe}.{key}.tokens.npy")
+    if folder is None:
+        return path.with_name(f"{path.name}.{safe}.{key}.tokens.npy")
+    return folder / f"{path.name}.{sha16(str(path.resolve()).encode())[:8]}.{safe}.{key}.tokens.npy"
+
+
+def cache_places(path: Path, tokenizer: Tokenizer, folder: str | os.PathLike | None = None) -> list[Path]:
+    """Where the token cache of ``path`` may be, preferred first: in ``folder`` if one is chosen, else beside the data,
+    then in the per-user cache folder."""
+    if folder is not None:
+        return [_cache_path(path, tokenizer, Path(folder))]
+    return [_cache_path(path, tokenizer), _cache_path(path, tokenizer, user_cache_folder())]
+
+
+def _checksum(tokens: np.ndarray) -> bytes:
+    return xxhash.xxh3_64(memoryview(tokens).cast("B")).digest()  # memory-mapped: hashed in place, never copied
 
 
 def _open_cache(cache: Path, tokenizer: Tokenizer) -> tuple[np.ndarray | None, str]:
-    """Memory-map a cache file and sanity-check it. Returns (array, "") or (None, reason)."""
+    """Memory-map a cache file and verify it (size, checksum of every token). Returns (array, "") or (None, reason)."""
     if not cache.exists():
         return None, "missing"
     try:
@@ -189,29 +233,36 @@ def _open_cache(cache: Path, tokenizer: Tokenizer) -> tuple[np.ndarray | None, s
         return None, f"unreadable ({type(e).__name__})"
     if arr.dtype != _TOKEN_DTYPE or arr.ndim != 1 or len(arr) == 0:
         return None, f"unexpected array {arr.dtype} {arr.shape}"
-    if cache.stat().st_size != getattr(arr, "offset", _NPY_HEADER_LEN) + arr.nbytes:
+    end = getattr(arr, "offset", _NPY_HEADER_LEN) + arr.nbytes
+    if cache.stat().st_size != end + _TRAILER_LEN:
         return None, "wrong file size"
-    if int(arr[-1]) != tokenizer.eos_id:
+    with open(cache, "rb") as f:
+        f.seek(end)
+        trailer = f.read(_TRAILER_LEN)
+    if not trailer.startswith(_CHECKSUM_MAGIC):
+        return None, "no checksum"
+    if _checksum(arr) != trailer[len(_CHECKSUM_MAGIC):]:
+        return None, "checksum mismatch"
+    if int(arr[-1]) != tokenizer.eos_id:  # checksummed, but made by another tokenizer of this name
         return None, "does not end with EOS"
-    head, tail = arr[:65536], arr[-65536:]
-    if max(int(head.max()), int(tail.max())) >= tokenizer.vocab_size:
-        return None, "token id out of vocabulary range"
     return arr, ""
 
 
-def _build_cache(path: Path, pf, tokenizer: Tokenizer, cache: Path, verbose: bool) -> None:
+def _build_cache(path: Path, pf, tokenizer: Tokenizer, cache: Path, verbose: bool, note: str = "") -> None:
     t0 = time.perf_counter()
+    digest = xxhash.xxh3_64()
     with atomic_file(cache) as f:
         f.write(b"\0" * _NPY_HEADER_LEN)
-        docs, ntok = _tokenize_to(pf, tokenizer, f)
+        docs, ntok = _tokenize_to(pf, tokenizer, f, digest)
         if ntok == 0:
             raise _no_tokens_error(path)  # nothing is committed: the temp file is removed
+        f.write(_CHECKSUM_MAGIC + digest.digest())
         f.seek(0)
         f.write(_npy_header(ntok))
     dt = time.perf_counter() - t0
     if verbose:
         _log(f"tokenized {path} with {tokenizer.name}: {docs} docs, {ntok} tokens in {dt:.1f}s "
-             f"({ntok / max(dt, 1e-9):,.0f} tokens/s) -> {cache.name}")
+             f"({ntok / max(dt, 1e-9):,.0f} tokens/s) -> {cache}{note}")
     # remove caches of older versions of this data file for this tokenizer (best effort)
     prefix = cache.name.split(".tokens.npy")[0].rsplit(".", 1)[0] + "."
     for old in cache.parent.glob(f"{glob.escape(prefix)}*.tokens.npy"):
@@ -231,42 +282,63 @@ def _no_tokens_error(path: Path) -> DataError:
                      "pass a parquet file with text in it")
 
 
-def load_tokens(parquet_path: str | os.PathLike, tokenizer: Tokenizer, verbose: bool = True) -> np.ndarray:
+def load_tokens(parquet_path: str | os.PathLike, tokenizer: Tokenizer, verbose: bool = True,
+                cache_dir: str | os.PathLike | None = None) -> np.ndarray:
     """The whole token stream of a parquet file (uint32, memory-mapped from the cache; built on first use).
 
-    Safe for many ranks starting at once: a file lock lets one of them tokenize while the others wait, and the cache
-    only ever appears complete (temp file, fsync, rename), so even without working locks nothing breaks.
+    The cache is beside the data; where that folder cannot take it, in the per-user cache folder (one line says so);
+    where no folder can, the tokens are made in memory (one line naming the folders tried). ``cache_dir``: the one
+    folder to cache in instead. Safe for many ranks starting at once: a file lock lets one of them tokenize while the
+    others wait, and a cache only ever appears complete (temp file, fsync, rename), so even without working locks
+    nothing breaks.
     """
     path = Path(parquet_path)
     pf = _open_parquet(path)
-    cache = _cache_path(path, tokenizer)
-    tokens, _ = _open_cache(cache, tokenizer)
-    if tokens is not None:
-        return tokens
+    places = cache_places(path, tokenizer, cache_dir)
+    for cache in places:
+        tokens, _ = _open_cache(cache, tokenizer)
+        if tokens is not None:
+            return tokens
+    refused: list[tuple[Path, str]] = []  # (folder, why) of each place that could not take the cache
+    for cache in places:
+        note = f" ({refused[0][0]} is not writable ({refused[0][1]}))" if refused else ""
+        try:
+            return _cached(path, pf, tokenizer, cache, verbose, note)
+        except OSError as e:
+            if e.errno not in _CANNOT_WRITE:
+                raise
+            refused.append((cache.parent, e.strerror or str(e)))
+    if verbose:
+        tried = " or ".join(f"{folder} ({why})" for folder, why in refused)
+        _log(f"cannot write a token cache in {tried}; tokenizing {path} in memory, again at every start: set "
+             "PYRECOVER_CACHE_DIR to a writable folder to keep the tokens")
+    tokens = _tokens_in_memory(pf, tokenizer)
+    if len(tokens) == 0:
+        raise _no_tokens_error(path)
+    return tokens
+
+
+def _cached(path: Path, pf, tokenizer: Tokenizer, cache: Path, verbose: bool, note: str) -> np.ndarray:
+    """The verified cache at ``cache``, (re)built first if it is missing or fails its check. OSError: the folder
+    cannot take it."""
+    cache.parent.mkdir(parents=True, exist_ok=True)  # the per-user cache folder, on first use
     lock = cache.with_name(cache.name[: -len(".npy")] + ".lock")
-    try:
-        with _file_lock(lock):
-            try:
-                tokens, why = _open_cache(cache, tokenizer)  # another rank may have built it meanwhile
+    with _file_lock(lock):
+        try:
+            tokens, why = _open_cache(cache, tokenizer)  # another rank may have built it meanwhile
+            if tokens is None:
+                if why != "missing" and verbose:
+                    _log(f"token cache {cache} is corrupt ({why}); rebuilding it")
+                _build_cache(path, pf, tokenizer, cache, verbose, note)
+                tokens, why = _open_cache(cache, tokenizer)
                 if tokens is None:
-                    if why != "missing" and verbose:
-                        _log(f"token cache {cache} is corrupt ({why}); rebuilding it")
-                    _build_cache(path, pf, tokenizer, cache, verbose)
-                    tokens, why = _open_cache(cache, tokenizer)
-                    if tokens is None:
-                        raise DataError(f"token cache {cache} failed its check right after it was written ({why}); "
-                                        f"check tokenizer {tokenizer.name} (vocab_size {tokenizer.vocab_size}, "
-                                        f"eos_id {tokenizer.eos_id}) and the data directory")
-            finally:
-                # removing it while holding it is safe: a rank still waiting on it re-checks the cache first
-                with contextlib.suppress(OSError):
-                    lock.unlink()
-    except PermissionError:
-        if verbose:
-            _log(f"cannot write a token cache next to {path} (permission denied); tokenizing in memory")
-        tokens = _tokens_in_memory(pf, tokenizer)
-        if len(tokens) == 0:
-            raise _no_tokens_error(path) from None
+                    raise DataError(f"token cache {cache} failed its check right after it was written ({why}); "
+                                    f"check tokenizer {tokenizer.name} (vocab_size {tokenizer.vocab_size}, "
+                                    f"eos_id {tokenizer.eos_id}) and the folder {cache.parent}")
+        finally:
+            # removing it while holding it is safe: a rank still waiting on it re-checks the cache first
+            with contextlib.suppress(OSError):
+                lock.unlink()
     return tokens
 
 
@@ -311,11 +383,11 @@ class TokenWindows:
 
 
 def load_token_windows(parquet_path: str | os.PathLike, tokenizer: Tokenizer, seq_len: int,
-                       verbose: bool = True) -> TokenWindows:
+                       verbose: bool = True, cache_dir: str | os.PathLike | None = None) -> TokenWindows:
     """Tokenize (or load the cached tokens of) ``parquet_path`` and cut the stream into windows of seq_len+1."""
     if int(seq_len) < 1:
         raise DataError(f"sequence length {seq_len} is invalid; use a positive --sequence-length")
-    tokens = load_tokens(parquet_path, tokenizer, verbose=verbose)
+    tokens = load_tokens(parquet_path, tokenizer, verbose=verbose, cache_dir=cache_dir)
     windows = TokenWindows(tokens, seq_len, source=str(parquet_path))
     if len(windows) < 1:
         raise DataError(f"sequence length {seq_len} too large for dataset with {len(tokens)} tokens "
@@ -342,8 +414,6 @@ def fingerprint(*parts: np.ndarray, budget: int = 256 << 20) -> str:
     """xxh3 of the token stream (tokenizer and data in one value); ``parts`` in order, e.g. the training and the
     held-out tokens. A stream over ``budget`` bytes is hashed at evenly spaced 1 MiB chunks plus its length, so a start
     never reads a whole multi-GB corpus."""
-    import xxhash
-
     total = sum(p.nbytes for p in parts)
     h = xxhash.xxh3_64(str(sum(len(p) for p in parts)).encode())
     for p in parts:
@@ -575,8 +645,9 @@ def _cmd_prepare(args) -> None:
     tokens = load_tokens(args.data, tok)
     dt = time.perf_counter() - t0
     windows = TokenWindows(tokens, args.seq_len, source=str(args.data))
+    where = tokens.filename if isinstance(tokens, np.memmap) else "none (tokenized in memory)"
     print(f"{args.data}: {len(tokens):,} tokens ({tok.name}, vocab {tok.vocab_size}), {len(windows):,} windows of "
-          f"{args.seq_len + 1} tokens; cache {_cache_path(Path(args.data), tok).name} ready in {dt:.2f}s")
+          f"{args.seq_len + 1} tokens; cache {where} ready in {dt:.2f}s")
 
 
 def _cmd_bench(args) -> None:

@@ -2,7 +2,7 @@
 
 Launchers: `torchrun` (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT) or `srun` directly (SLURM_PROCID/
 SLURM_NTASKS/SLURM_LOCALID, master = first host of SLURM_JOB_NODELIST). CUDA -> NCCL, one GPU per local rank;
-otherwise CPU -> gloo.
+otherwise CPU -> gloo. A rank started by torchrun ends when its torchrun dies (follow_launcher).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import signal
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,29 @@ class DistEnv(RankInfo):
     @property
     def distributed(self) -> bool:
         return self.backend is not None
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def follow_launcher(parent: int, environ=os.environ) -> None:
+    """A rank started by torchrun (its elastic agent, the parent process, sets TORCHELASTIC_RUN_ID) is SIGKILLed by the
+    kernel when that parent dies (Linux PR_SET_PDEATHSIG), so a killed launcher leaves no rank training on in its own
+    session and holding the run directory; the restart takes the run over (the holder's process is gone) and resumes
+    from the last committed checkpoint -- saves are atomic, so a kill never leaves a half checkpoint. SIGKILL, not
+    SIGTERM: a save needs every peer, and with the launcher gone some may be gone too, so a collective could hang.
+    The agent starts its workers from its main thread, whose exit is what the kernel watches. ``parent``: the parent
+    pid read at process start; if it is gone already, the rank ends now. Nothing to follow under srun (the parent is
+    slurmstepd, which ends the tasks itself) or for one process started by hand."""
+    if "TORCHELASTIC_RUN_ID" not in environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        print(f"warning: this rank cannot be tied to its torchrun (prctl: {os.strerror(ctypes.get_errno())}); if "
+              "torchrun is killed, end the rank yourself", file=sys.stderr, flush=True)
+    elif os.getppid() != parent:  # the launcher died before the signal was set: end as if it had fired
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _launcher_env() -> tuple[int, int, int, str] | None:

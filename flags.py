@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+from pathlib import Path
 
 import torch
 
@@ -38,8 +40,15 @@ def _walltime_flag(text: str) -> float:
 
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line like every other bad input (what, and where to read more), exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         description="Pre-train a Llama-style transformer with checkpointing that survives walltime, preemption and "
         "failures.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -83,11 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--distributed", action="store_true", help="data-parallel over torchrun or srun ranks (NCCL on GPU, gloo on CPU)")
     flag("--parallel", default="ddp", choices=["ddp", "fsdp"],
          help="with --distributed: ddp (full replicas) or fsdp (FSDP2 fully_shard per transformer block, then the root: "
-              "parameters, gradients and optimizer state sharded over ranks; checkpoints with --checkpoint-backend dcp)")
+              "parameters, gradients and optimizer state sharded over ranks; checkpoints with --checkpoint-backend dcp; "
+              "refused without --distributed)")
 
     g = p.add_argument_group("checkpointing")
     flag("--checkpoint-dir", default="checkpoints", help="checkpoints go to <checkpoint-dir>/<experiment_name>/step-N/")
-    flag("--experiment_name", "--exp_name", default="default", help="run name (sub-folder of --checkpoint-dir)")
+    flag("--experiment_name", "--exp_name", default="default",
+         help="run name: one folder name, no '/' (sub-folder of --checkpoint-dir and --mirror-dir)")
     flag("--checkpoint-frequency", type=int, default=100, help="save every N steps (0 = only at the end)")
     flag("--resume-from-checkpoint", default=None, metavar="latest|STEP|PATH",
          help="resume: `latest` (newest verified checkpoint; starts fresh if there is none), a step, or a path")
@@ -96,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--max-async", type=int, default=2, metavar="N",
          help="concurrent backend: checkpoints persisting at once (= host buffer sets of the state's size)")
     flag("--use-torch-distributed-ckpt", action="store_true",
-         help="alias of --checkpoint-backend dcp: torch.distributed.checkpoint, every rank writes its own shard in "
-              "parallel; loads at any world size; the only backend for --parallel fsdp and s3:// checkpoint dirs")
+         help="alias of --checkpoint-backend dcp (another --checkpoint-backend with it is refused): "
+              "torch.distributed.checkpoint, every rank writes its own shard in parallel; loads at any world size; the "
+              "only backend for --parallel fsdp and s3:// checkpoint dirs")
     flag("--async-checkpoint", nargs="?", const="thread", default=False, choices=["thread", "process"],
          help="dcp backend: save in the background (dcp.async_save on its own gloo group); training waits only for "
               "the state copy, right before the next optimizer step; one save in flight. `process` (`thread` when "
@@ -108,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--timeaware-checkpointing", action="store_true", help="save and stop before the SLURM walltime runs out")
     flag("--force-takeover", action="store_true",
          help="take the run directory over even if another live run holds it (one writer per run directory; the "
-              "other run is fenced: it can no longer commit or delete anything, and stops)")
+              "other run is fenced: it can no longer commit or delete anything, and stops); only after this start's "
+              "flags passed every check, the resumed checkpoint's included")
     flag("--on-save-error", default="stop", choices=["stop", "continue"],
          help="a save that fails (e.g. disk full; the previous checkpoint stays intact and `latest`): stop = exit 1 at "
               "once; continue = warn, keep training, retry at the next interval (exit 1 if the final save fails)")
@@ -118,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("stopping in time (SLURM): signals, walltime, requeue -- see checkpoint/policy.py")
     flag("--signal", type=_signal_flag, default="SIGUSR1",
-         help="signal meaning 'save at the next step boundary, stop, requeue' (SLURM's --signal warning; `none` = off); "
-              "SIGTERM is always 'save and stop' (no requeue)")
+         help="signal meaning 'save at the next step boundary, stop, requeue' (SLURM's --signal warning; `none` = off; "
+              "one that cannot be caught or arrives in normal operation, e.g. KILL, STOP, CHLD, is refused); SIGTERM "
+              "is always 'save and stop' (no requeue)")
     flag("--walltime", type=_walltime_flag, default=None, metavar="[D-]HH:MM:SS",
          help="with --timeaware-checkpointing: a deadline counted from the start of train.py, for runs without a "
               "SLURM time limit (under SLURM the job's end time is read from squeue; the earlier one wins)")
@@ -159,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("logging")
     flag("--logging-frequency", type=int, default=10, help="progress-bar/log update every N steps")
     flag("--log-loss-to-csv", nargs="?", const="auto", default=None, metavar="PATH",
-         help="one row per step; default path <checkpoint-dir>/<experiment_name>/loss.csv; appends on resume")
+         help="one row per step; default path <checkpoint-dir>/<experiment_name>/loss.csv (a PATH's folder must "
+              "exist, or be the checkpoint or run folder); appends on resume")
     flag("--profile", action="store_true", help="record a torch.profiler trace between the profile steps")
     flag("--profile-step-start", type=int, default=10, help="first profiled step")
     flag("--profile-step-end", type=int, default=12, help="last profiled step")
@@ -177,6 +192,50 @@ NUMERIC_FLAGS: tuple[tuple[str, float, bool], ...] = (
     ("profile_step_start", 1, True), ("profile_step_end", 1, True), ("eval_windows", 0, True), ("keep_best", 0, True),
     ("mirror_every", 1, True), ("mirror_keep", 0, True), ("mirror_timeout", 0, False),
 )
+
+
+def check_flags(args: argparse.Namespace, *, writes_csv: bool = True) -> None:
+    """Everything wrong with the flags that needs nothing loaded, one line each: numbers, combinations, paths.
+    ``writes_csv``: this rank writes the loss CSV (rank 0), so its path is checked here."""
+    check_numeric_flags(args)
+    if args.parallel == "fsdp" and not args.distributed:
+        raise BadInput("--parallel fsdp shards the model over the ranks of a --distributed run, and this is one "
+                       "process; add --distributed (under torchrun or srun), or drop --parallel fsdp")
+    check_paths(args, writes_csv=writes_csv)
+
+
+# Flags naming a path (or a name that becomes part of one): an empty value would silently mean the current folder,
+# or nothing at all (no resume, no mirror, no CSV). (dest, what to give instead)
+PATH_FLAGS = (("dataset", "a parquet file"), ("tokenizer_name_or_path", "a tokenizer name or path"),
+              ("checkpoint_dir", "a folder or s3://bucket/prefix"), ("experiment_name", "a run name"),
+              ("resume_from_checkpoint", "`latest`, a step or a path"),
+              ("mirror_dir", "a folder or s3://bucket/prefix"),
+              ("log_loss_to_csv", "a file path, or the flag alone for <checkpoint-dir>/<experiment_name>/loss.csv"))
+
+
+def check_paths(args: argparse.Namespace, *, writes_csv: bool = True) -> None:
+    """Every path the run will write under is what it says, before anything is taken or written: not empty, the
+    experiment name one plain folder name (so the run stays inside --checkpoint-dir and --mirror-dir), and the loss
+    CSV a file in an existing folder, or in --checkpoint-dir or the run folder, which the run makes (a mistyped folder
+    is refused, not created)."""
+    for dest, what in PATH_FLAGS:
+        value = getattr(args, dest, None)
+        if value is not None and not value.strip():
+            raise BadInput(f"--{dest.replace('_', '-')} is empty; give {what}")
+    name = args.experiment_name
+    if "/" in name or name in (".", ".."):
+        raise BadInput(f"--experiment_name {name!r} is not a plain folder name: the run goes to "
+                       f"<--checkpoint-dir>/<experiment_name>/, and a '/', '.' or '..' would put it elsewhere; give "
+                       f"one name without '/', e.g. --experiment_name run1")
+    if writes_csv and args.log_loss_to_csv not in (None, "auto"):
+        csv = Path(args.log_loss_to_csv)
+        if csv.is_dir():
+            raise BadInput(f"--log-loss-to-csv {csv} is a folder; give a file path, e.g. --log-loss-to-csv "
+                           f"{csv / 'loss.csv'}")
+        made_by_the_run = {os.path.abspath(d) for d in (args.checkpoint_dir, Path(args.checkpoint_dir, name))}
+        if not csv.parent.is_dir() and os.path.abspath(csv.parent) not in made_by_the_run:
+            raise BadInput(f"--log-loss-to-csv {csv}: the folder {csv.parent} does not exist; create it or give a "
+                           "path in an existing folder (or in the run's own folder)")
 
 
 def check_numeric_flags(args: argparse.Namespace) -> None:
@@ -218,27 +277,46 @@ RESUME_REFUSED = (("model", "the weights are that model's"),
 ABSENT_MEANS = {"eval_windows": 0}  # before held-out data, training read every window
 
 
+def _saved_config(run_info: RunInfo) -> dict:
+    saved = getattr(run_info, "saved", {}).get("config", {})
+    # a checkpoint of a version that predates a flag was saved with what that version did
+    return ABSENT_MEANS | saved if saved else saved
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _shown(value):
+    return ("on" if value else "off") if isinstance(value, bool) else value
+
+
+def check_resume_flags(args: argparse.Namespace, run_info: RunInfo, step: int | None) -> None:
+    """Raise BadInput if these flags cannot continue the checkpoint saved with ``run_info.saved`` at ``step``: a
+    refused flag differs (RESUME_REFUSED), or --training-steps ends before the step. ``step`` None: only the refused
+    flags. Needs nothing but the checkpoint's run_info, so train.py also calls it before taking a run over."""
+    saved = _saved_config(run_info)
+    for key, why in RESUME_REFUSED:
+        if key in saved and saved[key] != getattr(args, key):
+            raise BadInput(f"{_flag(key)} {_shown(getattr(args, key))} differs from the checkpoint's "
+                           f"{_shown(saved[key])} and cannot change on resume ({why}); resume with {_flag(key)} "
+                           f"{_shown(saved[key])}, or start a new --experiment_name")
+    if step is not None and args.training_steps < step:
+        raise BadInput(f"checkpoint is at step {step} but --training-steps {args.training_steps} ends before it; pass "
+                       f"--training-steps {step} or more, or start a new --experiment_name")
+
+
 def apply_resume_flags(args: argparse.Namespace, run_info: RunInfo, step: int | None,
                        optimizer: torch.optim.Optimizer, scheduler) -> list[str]:
     """Compare the flags with the ones the loaded checkpoint was saved with (``run_info.saved``, the same on every rank):
-    raise BadInput for a refused difference, apply the others and return one 'resume: applying' line each. Nothing
-    differs: nothing is touched (the resumed run stays bitwise an uninterrupted one). ``step`` None: a load that failed
-    part-way, only the refusals are checked (run_info loads first, so another --model is named, not its tensor shapes)."""
-    saved = getattr(run_info, "saved", {}).get("config", {})
-    if saved:  # a checkpoint of a version that predates a flag was saved with what that version did
-        saved = ABSENT_MEANS | saved
-    shown = lambda v: ("on" if v else "off") if isinstance(v, bool) else v  # noqa: E731
-    flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
-    for key, why in RESUME_REFUSED:
-        if key in saved and saved[key] != getattr(args, key):
-            raise BadInput(f"{flag(key)} {shown(getattr(args, key))} differs from the checkpoint's {shown(saved[key])} "
-                           f"and cannot change on resume ({why}); resume with {flag(key)} {shown(saved[key])}, or "
-                           f"start a new --experiment_name")
+    raise BadInput for a refused difference (check_resume_flags), apply the others and return one 'resume: applying'
+    line each. Nothing differs: nothing is touched (the resumed run stays bitwise an uninterrupted one). ``step`` None:
+    a load that failed part-way, only the refusals are checked (run_info loads first, so another --model is named, not
+    its tensor shapes)."""
+    check_resume_flags(args, run_info, step)
     if step is None:
         return []
-    if args.training_steps < step:
-        raise BadInput(f"checkpoint is at step {step} but --training-steps {args.training_steps} ends before it; pass "
-                       f"--training-steps {step} or more, or start a new --experiment_name")
+    saved = _saved_config(run_info)
     changed = [k for k in RESUME_APPLIED if k in saved and saved[k] != getattr(args, k)]
     if {"learning_rate", "lr_warmup_steps", "training_steps"} & set(changed):
         # LambdaLR's state restored the old base lr and the optimizer the old step's lr; the lambda is the current
@@ -251,11 +329,19 @@ def apply_resume_flags(args: argparse.Namespace, run_info: RunInfo, step: int | 
     if "fused_optimizer" in changed:  # the loaded param groups carry the saved run's choice
         for group in optimizer.param_groups:
             group["fused"] = True if args.fused_optimizer else None
-    return [f"resume: applying {flag(k)} {shown(getattr(args, k))} (checkpoint had {shown(saved[k])})" for k in changed]
+    return [f"resume: applying {_flag(k)} {_shown(getattr(args, k))} (checkpoint had {_shown(saved[k])})"
+            for k in changed]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # A value already in the namespace is not replaced by the default: None stays when --checkpoint-backend is not
+    # given, so its alias can tell an explicit backend from the default.
+    args = parser.parse_args(argv, argparse.Namespace(checkpoint_backend=None))
     if args.use_torch_distributed_ckpt:  # the reference scripts' alias
+        if args.checkpoint_backend not in (None, "dcp"):
+            parser.error(f"--use-torch-distributed-ckpt means --checkpoint-backend dcp, but --checkpoint-backend "
+                         f"{args.checkpoint_backend} was given too; pass only one of them")
         args.checkpoint_backend = "dcp"
+    args.checkpoint_backend = args.checkpoint_backend or parser.get_default("checkpoint_backend")
     return args

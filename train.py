@@ -28,14 +28,21 @@ if __name__ == "__main__":
     # action kills the process: hold USR1/USR2 pending until the stop policy's handlers exist (SignalWatcher.install
     # releases them, and a held signal is delivered to the handler then).
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
-    # Ctrl-C during the imports: nothing to save yet -- one line and 130 as SignalWatcher does later, no traceback.
-    signal.signal(signal.SIGINT, lambda *_: (os.write(2, b"interrupted (SIGINT) before training started: nothing to "
-                                                         b"save yet\n"), os._exit(128 + signal.SIGINT)))
+    # Ctrl-C or SIGTERM during the imports: nothing to save yet -- one line and 128 + the signal as SignalWatcher does
+    # later (its handlers replace these), no traceback.
+    def _nothing_to_save(signum: int, _frame) -> None:
+        said = {signal.SIGINT: "interrupted (SIGINT)", signal.SIGTERM: "terminated (SIGTERM)"}[signum]
+        os.write(2, f"{said} before training started: nothing to save yet\n".encode())
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGINT, _nothing_to_save)
+    signal.signal(signal.SIGTERM, _nothing_to_save)
     # One write() per line: ranks share the job's pipe, and under PYTHONUNBUFFERED (set by the SLURM script) print()
     # writes the text and its newline separately, so two ranks' lines could merge into one.
     for _stream in (sys.stdout, sys.stderr):
         _stream.reconfigure(line_buffering=True, write_through=False)
 
+_PARENT_AT_START = os.getppid()  # a torchrun rank's launcher (distributed.follow_launcher), before it could have died
 _T_IMPORTS = time.monotonic()  # the heavy imports start here (the recovery line reports how long a restart took)
 import numpy as np
 import torch
@@ -50,10 +57,12 @@ from checkpoint import policy as stop_policy
 from checkpoint.backends import capabilities, check_combination
 from checkpoint.jit import JustInTime, NoJIT
 from checkpoint.mirror import Mirror, refusal as mirror_refusal
+from checkpoint.reader import section_reader
 from checkpoint.state import unwrap_model
 from dataset import DataError, TrainLoader, fingerprint, hold_out, load_token_windows, load_tokenizer
 from evaluation import EVAL_BATCH, CardMaker, batch_loss, check_prediction, evaluate, run_layout
-from flags import BadInput, apply_resume_flags, build_parser, check_numeric_flags, parse_args  # noqa: F401 (tests)
+from flags import (BadInput, apply_resume_flags, build_parser, check_flags, check_numeric_flags,  # noqa: F401 (tests)
+                   check_resume_flags, parse_args)
 from metrics import Metrics, device_peak_flops
 from model import MemoryEstimate, Transformer, estimate_peak_memory, flash_attention_problem, get_config
 
@@ -125,13 +134,14 @@ class Checked:
     held_out: object  # the --eval-windows training never sees (evaluation.py), or None
     run_root: Path  # a local folder or s3://bucket/prefix
     backend: object
-    lease: run_lease.Lease | None  # rank 0 on a local run directory: one writer per run directory
+    lease: run_lease.Lease | None = None  # rank 0 on a local run directory, once every rank passed preflight
 
 
 def preflight(args: argparse.Namespace, env: distributed.DistEnv) -> Checked:
     """Everything that can be wrong with the user's input, checked on every rank before any collective or training
-    time: numbers first (instant), then the memory the configuration needs (as soon as the tokenizer gives the
-    vocabulary), then the data (tokenizing may take minutes), then the checkpoint directory."""
+    time: the flags first (numbers, combinations, paths: instant), then the memory the configuration needs (as soon as
+    the tokenizer gives the vocabulary), then the data (tokenizing may take minutes), then the checkpoint directory.
+    Nothing is taken yet: the run directory's lease comes after every rank passed (take_run_directory)."""
     tokenizer, windows, config, held_out = check_inputs(args, env)
     check_combination(args.checkpoint_backend, sharded=args.distributed and args.parallel == "fsdp",
                       checkpoint_dir=args.checkpoint_dir, async_save=args.async_checkpoint, jit=args.jit_checkpoint)
@@ -140,18 +150,51 @@ def preflight(args: argparse.Namespace, env: distributed.DistEnv) -> Checked:
     run_root = storage.as_path(args.checkpoint_dir) / args.experiment_name
     backend = make_backend(args.checkpoint_backend, env,
                            **backend_options(args, env))
-    lease = None
     if env.is_main:
         layout.ensure_writable(run_root)  # fail now, not at the first save hours from now
-        if not storage.is_remote(run_root):  # one writer per run directory (checkpoint/lease.py)
-            lease = run_lease.acquire(run_root, force=args.force_takeover)
-    return Checked(tokenizer, windows, config, held_out, run_root, backend, lease)
+    return Checked(tokenizer, windows, config, held_out, run_root, backend)
+
+
+def take_run_directory(args: argparse.Namespace, checked: Checked) -> run_lease.Lease | None:
+    """Rank 0: the run directory's lease (one writer per run directory, checkpoint/lease.py; none on s3://). A live
+    holder is fenced only by --force-takeover, and only after what could still refuse this start passed: the flags
+    against the checkpoint it will resume (check_resume). A start refused after fencing would leave nothing running."""
+    if storage.is_remote(checked.run_root):
+        return None
+    try:
+        return run_lease.acquire(checked.run_root)  # fences nothing that is alive
+    except run_lease.LeaseHeld:
+        if not args.force_takeover:
+            raise
+    check_resume(args, checked.run_root)
+    return run_lease.acquire(checked.run_root, force=True)
+
+
+def check_resume(args: argparse.Namespace, run_root) -> None:
+    """The flags against the checkpoint --resume-from-checkpoint will load (flags.check_resume_flags), read-only: what
+    the load refuses, refused before a live run is fenced. The load checks again (a run still training may commit a
+    newer checkpoint in between; its refused flags are the same)."""
+    if not args.resume_from_checkpoint:
+        return
+    if args.resume_from_checkpoint == "latest":
+        mirror = [storage.as_path(args.mirror_dir) / args.experiment_name] if args.mirror_dir else []
+        info = layout.resolve_latest([run_root, *mirror], quiet=True)
+    else:
+        info = layout.resolve(run_root, args.resume_from_checkpoint, quiet=True)
+    if info is None:
+        return  # nothing to resume: a fresh start
+    saved = RunInfo()
+    try:
+        saved.load_state_dict(section_reader(info.manifest["backend"])(info.path, info.manifest, "run_info"))
+    except (OSError, KeyError, ValueError, TypeError) as e:  # e.g. removed meanwhile by the live run's retention
+        raise CheckpointError(f"{info.path}: cannot read its run_info ({e}); nothing was taken over") from None
+    check_resume_flags(args, saved, info.step)
 
 
 def check_inputs(args: argparse.Namespace, env: distributed.DistEnv):
-    """The flags' numbers, flash-attn, the memory the configuration needs, and the data. Returns (tokenizer, training
-    windows, model config, held-out windows or None)."""
-    check_numeric_flags(args)
+    """The flags (numbers, combinations, paths), flash-attn, the memory the configuration needs, and the data. Returns
+    (tokenizer, training windows, model config, held-out windows or None)."""
+    check_flags(args, writes_csv=env.is_main)
     if args.use_flash_attention and (problem := flash_attention_problem(env.device)):
         raise BadInput(problem)
     tokenizer = load_tokenizer(args.tokenizer_name_or_path)
@@ -176,12 +219,12 @@ def backend_options(args: argparse.Namespace, env: distributed.DistEnv) -> dict:
 
 
 def memory_estimate(args: argparse.Namespace, env: distributed.DistEnv, config, batch_size: int | None = None,
-                    seq_len: int | None = None) -> MemoryEstimate:
-    """model.estimate_peak_memory for this run's flags (or another batch size / sequence length)."""
+                    seq_len: int | None = None, max_async: int | None = None) -> MemoryEstimate:
+    """model.estimate_peak_memory for this run's flags (or another batch size / sequence length / --max-async)."""
     batch_size, seq_len = batch_size or args.batch_size, seq_len or args.sequence_length
     copies = 0  # training on CPU: asynchronous checkpointing's host copies of the state share the same RAM
-    if env.device.type == "cpu" and args.checkpoint_backend == "concurrent":
-        copies = args.max_async
+    if host_copies_per_max_async(args, env):
+        copies = max_async or args.max_async
     elif env.device.type == "cpu" and args.checkpoint_backend == "dcp" and args.async_checkpoint:
         copies = 1
     return estimate_peak_memory(dataclasses.replace(config, max_seq_len=seq_len), batch_size, seq_len,
@@ -189,31 +232,50 @@ def memory_estimate(args: argparse.Namespace, env: distributed.DistEnv, config, 
                                 env.device.type, "fused" if args.fused_optimizer else "default", copies)
 
 
+def host_copies_per_max_async(args: argparse.Namespace, env: distributed.DistEnv) -> bool:
+    """Whether each --max-async is one more copy of the state in this rank's memory (the concurrent backend's host
+    buffers, training on CPU)."""
+    return env.device.type == "cpu" and args.checkpoint_backend == "concurrent"
+
+
+def largest(low: int, high: int, ok) -> int | None:
+    """The largest n in [low, high] with ok(n), for ok true up to some n and false above it (None: not even low)."""
+    best = None
+    while low <= high:
+        mid = (low + high) // 2
+        if ok(mid):
+            best, low = mid, mid + 1
+        else:
+            high = mid - 1
+    return best
+
+
 def check_memory(args: argparse.Namespace, env: distributed.DistEnv, config) -> MemoryEstimate:
     """Refuse, in one line, a configuration whose estimated peak memory exceeds what the device has."""
     estimate = memory_estimate(args, env, config)
     available, where = distributed.device_memory(env)
     if available is not None and estimate.total > available:
-        def fits(batch: int, seq: int) -> bool:
-            return memory_estimate(args, env, config, batch, seq).total <= available
+        def fits(batch: int, seq: int, max_async: int | None = None) -> bool:
+            return memory_estimate(args, env, config, batch, seq, max_async).total <= available
 
-        batch, low, high = None, 1, args.batch_size - 1  # the largest batch that fits (memory grows with the batch)
-        while low <= high:
-            mid = (low + high) // 2
-            if fits(mid, args.sequence_length):
-                batch, low = mid, mid + 1
-            else:
-                high = mid - 1
+        levers = ["--batch-size", "--sequence-length", "--model"]
+        # fewer checkpoints in flight (each one a copy of the state in RAM) may be all it takes
+        max_async = None
+        if host_copies_per_max_async(args, env):
+            levers.insert(0, "--max-async")
+            max_async = largest(1, args.max_async - 1, lambda n: fits(args.batch_size, args.sequence_length, n))
+        batch = largest(1, args.batch_size - 1, lambda b: fits(b, args.sequence_length))  # memory grows with both
         seq = args.sequence_length
         while batch is None and seq > 1 and not fits(1, seq):
             seq //= 2
-        hint = (f" (--batch-size {batch} fits)" if batch else
+        hint = (f" (--max-async {max_async} fits)" if max_async else
+                f" (--batch-size {batch} fits)" if batch else
                 f" (--batch-size 1 with --sequence-length {seq} fits)" if seq > 1 and fits(1, seq) else
                 " (even --batch-size 1 --sequence-length 1 does not fit: use a smaller --model)")
         raise BadInput(
             f"--model {args.model} with --batch-size {args.batch_size} x --sequence-length {args.sequence_length} "
             f"({args.model_dtype}) needs an estimated {estimate.describe()} per rank, but {where} "
-            f"{available / 2**20:,.1f} MiB; use a smaller --batch-size, --sequence-length or --model{hint}"
+            f"{available / 2**20:,.1f} MiB; use a smaller {', '.join(levers[:-1])} or {levers[-1]}{hint}"
             + (" or more ranks with --parallel fsdp" if env.device.type == "cuda" else "")
         )
     return estimate
@@ -367,6 +429,8 @@ def build_checkpointing(args: argparse.Namespace, run: Run, checked: Checked, si
 
     def reconcile(step: int | None) -> None:  # right after the load, before begin() moves anything aside
         applied.extend(apply_resume_flags(args, run_info, step, run.optimizer, run.scheduler))
+        if step is not None:
+            check_same_data(args, run, checked, manager.loaded)
         if step is not None and args.validate_on_resume:
             validate_loaded(args, run, manager.loaded)
 
@@ -393,11 +457,10 @@ def documenter(args: argparse.Namespace, run: Run, checked: Checked, started: fl
     gathers the shards)."""
     env, model = run.env, unwrap_model(run.model)
     probe = checked.held_out.batch(range(min(EVAL_BATCH, len(checked.held_out)))) if checked.held_out else None
-    parts = [checked.windows.tokens] + ([checked.held_out.tokens] if checked.held_out else [])
     # Only rank 0 commits a card (any rank may, in a just-in-time save): the others skip hashing the data at start-up.
     writes = env.is_main or args.jit_checkpoint
     make = CardMaker(args, env, checked.config, model.num_params(), checked.tokenizer.name,
-                     fingerprint(*parts) if writes else None, probe, started, __version__)
+                     data_fingerprint(checked) if writes else None, probe, started, __version__)
     everyone = env.distributed and args.parallel == "fsdp"
 
     def describe(step: int, metrics: Metrics, evaluate_now: bool = False) -> dict:
@@ -408,6 +471,29 @@ def documenter(args: argparse.Namespace, run: Run, checked: Checked, started: fl
                              lr=metrics.last_lr, evaluation=evaluation)}
 
     return describe
+
+
+def data_fingerprint(checked: Checked) -> str:
+    """The fingerprint of the tokens this run reads (training, then held out), as the card records it."""
+    return fingerprint(checked.windows.tokens, *([checked.held_out.tokens] if checked.held_out else []))
+
+
+def check_same_data(args: argparse.Namespace, run: Run, checked: Checked, info: layout.CheckpointInfo) -> None:
+    """Resume only on the data the checkpoint was trained on: its card's fingerprint against this run's tokens. Every
+    rank hashes the data it reads and the ranks agree, so all refuse together (a node with another copy included)."""
+    card_data = info.manifest.get("meta", {}).get("card", {}).get("data", {})
+    saved = card_data.get("fingerprint")
+    if saved is None:
+        log.info(f"resume: {info.path} records no data fingerprint (an older checkpoint): its data is not compared")
+        return
+    now = data_fingerprint(checked)
+    if distributed.all_reduce_max(float(now != saved), run.env) == 0:
+        return
+    ours = (f"this run's --dataset {args.dataset} (tokenizer {checked.tokenizer.name}) gives {now}" if now != saved
+            else f"another rank's copy of --dataset {args.dataset} differs")
+    raise BadInput(f"checkpoint {info.path} was trained on other data: its card records {saved} "
+                   f"({card_data.get('dataset')}, tokenizer {card_data.get('tokenizer')}), {ours}; resume with the "
+                   "data it was trained on, or start a new --experiment_name to train on this data")
 
 
 def validate_loaded(args: argparse.Namespace, run: Run, info: layout.CheckpointInfo) -> None:
@@ -501,30 +587,47 @@ def train_step(run: Run, before_update) -> tuple[float, float, torch.Tensor | No
 
 
 def main(argv: list[str] | None = None) -> int:
+    distributed.follow_launcher(_PARENT_AT_START)  # before anything else: a rank must not outlive its torchrun
     args = parse_args(argv)
     started = time.time()  # --walltime counts from here
-    signals = stop_policy.install_signal_handlers(args.signal)  # first: SLURM's warning must not kill us during setup
+    # Then the handlers: SLURM's warning must not kill us during setup. A SIGTERM in setup ends the process at once
+    # (os._exit: an exception raised from a handler can be turned into another one by the code it interrupts).
+    signals = stop_policy.install_signal_handlers(args.signal, exit_process=os._exit)
     try:
         return train(args, signals, started)
     finally:
         signals.restore()
 
 
+class Refused(Exception):
+    """Some rank found bad input; each rank that did has said so."""
+
+
+def agreed(env: distributed.DistEnv, check):
+    """``check()`` on every rank, then one all-reduce: if it refused anywhere (bad input: one line from each rank that
+    refused), raise Refused on every rank, so none waits for another in a collective. Else its result."""
+    result, error = None, None
+    try:
+        result = check()
+    except (BadInput, DataError, CheckpointError) as e:
+        error = e
+    if distributed.all_reduce_max(1.0 if error is not None else 0.0, env) > 0:
+        if error is not None:
+            say(f"error: {error}" if env.is_main else f"error (rank {env.rank}): {error}")
+        raise Refused
+    return result
+
+
 def train(args: argparse.Namespace, signals: stop_policy.SignalWatcher, started: float) -> int:
     t_start = time.perf_counter()
     env = distributed.init(args.distributed)
     logs.setup(env.rank)
-    # Bad input is found on every rank before any collective; then the ranks agree, so none waits for another.
-    checked, error = None, None
+    # Bad input is found on every rank before any collective; then the ranks agree, so none waits for another. Only
+    # then does rank 0 take the run directory (a refusal after a --force-takeover would leave no run training).
     try:
-        checked = preflight(args, env)
-    except (BadInput, DataError, CheckpointError) as e:
-        error = e
-    if distributed.all_reduce_max(1.0 if error is not None else 0.0, env) > 0:
-        if checked is not None and checked.lease is not None:
-            checked.lease.release()
-        if error is not None:
-            say(f"error: {error}" if env.is_main else f"error (rank {env.rank}): {error}")
+        checked = agreed(env, lambda: preflight(args, env))
+        checked.lease = agreed(env, lambda: take_run_directory(args, checked) if env.is_main else None)
+    except Refused:
         return EXIT_BAD_INPUT
 
     run = build_run(args, env, checked)

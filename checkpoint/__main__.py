@@ -57,7 +57,10 @@ def cmd_list(path: Path) -> int:
     infos = layout.list_checkpoints(path)
     if not infos:
         raise CheckpointError(f"no checkpoints under {path} (expected an experiment folder holding step-N folders)")
-    latest = layout.resolve(path, "latest", quiet=True)
+    try:
+        latest = layout.resolve(path, "latest", quiet=True)
+    except layout.NoValidCheckpoint:
+        latest = None  # each is listed INVALID below, with its reason
     for info in infos:
         if info.committed:
             try:

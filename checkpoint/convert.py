@@ -45,12 +45,15 @@ def convert(src, dst, to: str):
     step = int(manifest["step"])
     dst = storage.as_path(dst)
     step_dir = dst if layout.STEP_DIR_RE.match(dst.name) else dst / layout.step_dir_name(step)
+    if step_dir.name != layout.step_dir_name(step):
+        raise CheckpointError(f"{where} is step {step}, but DST names {step_dir.name}; give the experiment folder, or "
+                              f"{layout.step_dir_name(step)}")
     if (step_dir / layout.COMMITTED).exists():
         raise CheckpointError(f"{step_dir} already holds a committed checkpoint; choose another DST")
     if to == "dcp" and frm == "vanilla" and storage.is_remote(where):
         raise CheckpointError(f"{where}: reading a vanilla checkpoint from object storage is not supported; copy it first")
-    if step_dir.exists():
-        storage.rmtree(step_dir)  # the leftover of an interrupted convert: never committed
+    if step_dir.exists():  # the leftover of an interrupted convert (never committed), and nothing else
+        layout.remove_step_dir(step_dir, "choose another DST, or move them away")
     step_dir.mkdir(parents=True)
 
     sections = {s: section_reader(frm)(where, manifest, s) for s in _TENSOR_SECTIONS}

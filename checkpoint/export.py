@@ -46,6 +46,10 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**1
 _CONFIG_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "rope_theta",
                 "norm_eps")
 INDEX = "model.safetensors.index.json"
+#: every name an export writes into OUT: --force replaces a folder holding only these (anything else is the user's)
+EXPORT_FILE_RE = re.compile(r"^(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json"
+                            r"|config\.json|generation_config\.json|tokenizer\.json|tokenizer_config\.json"
+                            r"|tokenizer\.model)$")
 
 
 def parse_size(text: str) -> int:
@@ -322,6 +326,8 @@ def _prepare_out(out: Path, force: bool, source: Path) -> None:
     if not (resolved / "config.json").is_file() or not any(resolved.glob("*.safetensors")):
         raise CheckpointError(f"{out} is not an earlier export (no config.json and *.safetensors); --force replaces "
                               "only that: choose another OUT")
+    storage.check_owned(out, EXPORT_FILE_RE.match, "--force replaces only what an export wrote: move them out, or "
+                                                    "choose another OUT")
 
 
 def _publish(staging: Path, out: Path) -> None:
@@ -337,7 +343,8 @@ def _publish(staging: Path, out: Path) -> None:
             os.rename(old, out)  # the earlier export stays where it was
         raise
     fsio.fsync_dir(out.parent)
-    if old is not None:
+    if old is not None:  # checked by _prepare_out; checked again, since it is deleted
+        storage.check_owned(old, EXPORT_FILE_RE.match, f"the earlier export stays in {old}")
         shutil.rmtree(old)
 
 

@@ -53,9 +53,47 @@ def part_record_name(rank: int) -> str:
 def safe_relpath(name: str, where: Path) -> str:
     """Refuse manifest entries that would escape the checkpoint folder (absolute paths, `..`)."""
     p = PurePosixPath(name)
-    if not name or p.is_absolute() or ".." in p.parts or "\\" in name:
+    if not name or p.is_absolute() or ".." in p.parts or "\\" in name or "\0" in name:
         raise CheckpointError(f"manifest of {where} names an unsafe path {name!r}; the checkpoint was tampered with")
     return name
+
+
+def member(step_dir: Path, name: str, manifest: dict) -> Path:
+    """The path of a file that a load or a verify may read: named by a checksummed record in the (verified) manifest,
+    inside ``step_dir`` -- no absolute path, no `..`, no symbolic link on the way. Every backend reads its files
+    through here, so a resealed manifest (or a DCP ``.metadata``) cannot make a load read bytes from elsewhere; the
+    bytes themselves are then checked against the record (fsio.read_verified, which also refuses a link swapped in
+    after this check)."""
+    safe_relpath(name, step_dir)
+    if name not in manifest["files"]:
+        raise CheckpointError(f"{step_dir} reads {name!r}, which its manifest does not list: a checkpoint's files are "
+                              "only those its manifest records; the checkpoint was tampered with")
+    path = storage.as_path(step_dir) / name
+    if not storage.is_remote(path):
+        at = Path(step_dir)
+        for part in PurePosixPath(name).parts:
+            at = at / part
+            if at.is_symlink():
+                raise CheckpointError(f"{at} is a symbolic link; a checkpoint's files must be inside its folder, "
+                                      "never links to elsewhere: the checkpoint was tampered with")
+    return path
+
+
+# Every name a PyRecover writer creates inside a step folder: payload files of every backend (``*.pt``; DCP's
+# ``.metadata`` and ``__R_N.distcp``), part records, manifest, marker, and fsio's temporary names. A folder holding
+# anything else is not only ours, and is never deleted (remove_step_dir).
+OWN_FILE_RE = re.compile(r"^(manifest\.json|COMMITTED|part-rank-\d{5,}\.json|[A-Za-z0-9_-]+\.pt|__\d+_\d+\.distcp"
+                         r"|\.metadata|\.metadata\.tmp|\.[^/]+\.tmp-[0-9a-f]{8})$")
+
+
+def remove_step_dir(step_dir: Path, why: str) -> None:
+    """The one way a step folder is deleted: its commit marker first (a crash mid-way leaves an uncommitted folder,
+    never a committed one with files missing), then the rest -- only if everything in it is a name PyRecover writes
+    (storage.remove_owned: no other file, no sub-folder, no symbolic link, never followed). Else CheckpointError,
+    naming what is in the way; ``why`` says what to do."""
+    storage.check_owned(step_dir, OWN_FILE_RE.match, why)
+    (storage.as_path(step_dir) / COMMITTED).unlink(missing_ok=True)
+    storage.rmtree(step_dir)
 
 
 # --- writing -------------------------------------------------------------------------------------------------------
@@ -142,8 +180,7 @@ def prepare_step_dir(step_dir: Path) -> None:
     is a staging folder, and what is there is our own leftover of a failed attempt."""
     if storage.is_remote(step_dir):
         if step_dir.exists():
-            (step_dir / COMMITTED).unlink(missing_ok=True)
-            storage.rmtree(step_dir)
+            remove_step_dir(step_dir, "move them out of the checkpoint folder")
     elif step_dir.exists():
         storage.rmtree(step_dir)
     step_dir.mkdir(parents=True)
@@ -175,9 +212,23 @@ def list_checkpoints(root: Path) -> list[CheckpointInfo]:
     infos = []
     for entry in root.iterdir():
         m = STEP_DIR_RE.match(entry.name)
-        if m and entry.is_dir():
+        # A step folder that is a symbolic link is not one this project wrote (it publishes by rename): it is never
+        # loaded, replaced, retired or deleted, so nothing outside the run directory is read or touched through it.
+        if m and entry.is_dir() and not _is_link(entry):
             infos.append(CheckpointInfo(int(m.group(1)), entry, (entry / COMMITTED).exists()))
     return sorted(infos, key=lambda i: i.step)
+
+
+def _is_link(path) -> bool:
+    return not storage.is_remote(path) and Path(path).is_symlink()
+
+
+def linked_step_dirs(root: Path) -> list[Path]:
+    """Step-folder names under ``root`` that are symbolic links (ignored by list_checkpoints; named at resume)."""
+    root = storage.as_path(root)
+    if storage.is_remote(root) or not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if STEP_DIR_RE.match(p.name) and p.is_symlink())
 
 
 def read_manifest(step_dir: Path) -> dict:
@@ -239,8 +290,8 @@ def check_manifest(manifest, step_dir: Path) -> dict:
         raise CheckpointError(f"{where} has format_version {json.dumps(version)[:40]}, this PyRecover reads "
                               f"{FORMAT_VERSION}{newer or ': not a manifest this PyRecover can read'}")
     fields = {
-        "step": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-        "world_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+        "step": (lambda v: _is_int(v) and 0 <= v <= MAX_STEP, f"an integer from 0 to {MAX_STEP:.0e}"),
+        "world_size": (lambda v: _is_int(v) and 1 <= v <= MAX_WORLD_SIZE, f"an integer from 1 to {MAX_WORLD_SIZE}"),
         "backend": (lambda v: v in BACKEND_NAMES, f"one of {', '.join(BACKEND_NAMES)}"),
         "checksum": (lambda v: isinstance(v, str) and v != "", "a checksum algorithm name"),
         "files": (lambda v: isinstance(v, dict), "an object of file name -> record"),
@@ -258,14 +309,87 @@ def check_manifest(manifest, step_dir: Path) -> dict:
         safe_relpath(name, step_dir)
         if not isinstance(rec, dict):
             bad(f"the record of {name!r} is {_show(rec)}, expected an object with size and {algorithm}")
-        if "size" not in rec or not _is_int(rec["size"]) or rec["size"] < 0:
+        if "size" not in rec or not _is_int(rec["size"]) or not 0 <= rec["size"] <= MAX_FILE_SIZE:
             bad(f"the record of {name!r} has " + (f"size {_show(rec['size'])}" if "size" in rec else "no size")
-                + ", expected an integer >= 0")
+                + f", expected an integer from 0 to {MAX_FILE_SIZE:.0e}")
         if not isinstance(rec.get(algorithm), str):
             bad(f"the record of {name!r} has no {algorithm} checksum string")
-    if not isinstance(manifest.get("meta", {}), dict):
-        bad(f"meta is {_show(manifest['meta'])}, expected an object")
+    named = STEP_DIR_RE.match(storage.as_path(step_dir).name)
+    if named and int(named.group(1)) != manifest["step"]:
+        bad(f"step is {manifest['step']} but the folder is {storage.as_path(step_dir).name}")
+    if "created_unix" in manifest and not _is_number(manifest["created_unix"]):
+        bad(f"created_unix is {_show(manifest['created_unix'])}, expected a number")
+    problem = _schema_problem(manifest.get("meta", {}), META_SCHEMA, "meta")
+    if problem:
+        bad(problem)
     return manifest
+
+
+# Bounds on sealed numbers: anything beyond is not a value a run can have written, and would overflow what reads it.
+MAX_STEP = 10**15
+MAX_WORLD_SIZE = 1 << 24
+MAX_FILE_SIZE = 1 << 50
+MAX_INT = 1 << 63
+
+
+def _is_number(value) -> bool:
+    """A float (NaN and infinity too: a diverged run records its loss as it was), or an int in range."""
+    return isinstance(value, float) or (_is_int(value) and abs(value) < MAX_INT)
+
+
+def _is_count(value) -> bool:
+    return _is_int(value) and 0 <= value < MAX_INT
+
+
+def _is_token_rows(value) -> bool:
+    """The card's probe: a rectangle of token ids (a batch of windows), what torch.tensor(..., long) takes."""
+    return (isinstance(value, list) and all(isinstance(r, list) for r in value)
+            and len({len(r) for r in value}) <= 1 and all(_is_count(t) and t < 1 << 31 for r in value for t in r))
+
+
+_OPT_NUM = (_is_number, type(None))  # a loss or learning rate the card records as null when there was none
+_OPT_STR = (str, type(None))
+
+# Every field of a manifest's ``meta`` that some reader uses (list, inspect, retention --keep-best, validate, export,
+# the resume checks), with what it must be: a type, a tuple of alternatives, a predicate, or a nested schema. Fields
+# may be absent (older checkpoints; a just-in-time save has no eval); present, they must fit, or the manifest is
+# malformed -- checked once, when it is read, so no reader has to defend itself.
+META_SCHEMA = {
+    "jit": bool,
+    "card": {
+        "model": {"preset": str, "params": _is_count, "config": dict},
+        "data": {"dataset": str, "fingerprint": _OPT_STR, "tokenizer": _OPT_STR, "sequence_length": _is_count,
+                 "eval_windows": _is_count},
+        "hyperparameters": dict,
+        "retention": {"keep": _is_count, "keep_every": _is_count, "keep_best": _is_count},
+        "layout": {"device": _OPT_STR, "dtype": str, "attention": _OPT_STR, "world_size": _is_count},
+        "versions": dict,
+        "note": str,
+        "progress": {"step": _is_count, "tokens_seen": _is_count, "loss_last": _OPT_NUM, "loss_mean": _OPT_NUM,
+                     "loss_steps": _is_count, "learning_rate": _OPT_NUM},
+        "time": {"saved_utc": str, "run_wall_s": _is_number},
+        "eval": {"probe_loss": _is_number, "eval_loss": _is_number, "probe_tokens": (_is_token_rows, type(None))},
+    },
+}
+
+
+def _schema_problem(value, schema, where: str) -> str | None:
+    """What in ``value`` does not fit ``schema`` (see META_SCHEMA), as one phrase; None if it fits."""
+    if isinstance(schema, dict):
+        if not isinstance(value, dict):
+            return f"{where} is {_show(value)}, expected an object"
+        for key, sub in schema.items():
+            if key in value and (problem := _schema_problem(value[key], sub, f"{where}.{key}")):
+                return problem
+        return None
+    alternatives = schema if isinstance(schema, tuple) else (schema,)
+    for alt in alternatives:
+        if isinstance(alt, type):
+            if isinstance(value, alt) and not (alt is not bool and isinstance(value, bool)):
+                return None
+        elif alt(value):
+            return None
+    return f"{where} is {_show(value)}, which no PyRecover writes"
 
 
 # Bytes that verify() just read and checked, kept for the load that follows (one read per file, not two).
@@ -274,21 +398,25 @@ _verified: dict[str, memoryview] = {}
 
 def verify(step_dir: Path, *, checksums: bool = True, keep: bool = False) -> dict:
     """Return the manifest if every listed file has its recorded size (and checksum); else raise CheckpointError.
-    ``keep``: hold the verified bytes of the torch files for ``take_verified`` (the load right after)."""
+    ``keep``: hold the verified bytes for ``take_verified`` (the load right after)."""
     manifest = read_manifest(step_dir)
     algorithm = manifest["checksum"]
     kept: dict[str, memoryview] = {}
     for name, rec in manifest["files"].items():
-        path = storage.as_path(step_dir) / name
+        path = member(step_dir, name, manifest)
         if not path.is_file():
             raise CheckpointError(f"{path} is listed in the manifest but missing")
         if path.stat().st_size != rec["size"]:
             raise CheckpointError(f"{path} has {path.stat().st_size} bytes, manifest says {rec['size']}: truncated")
         if checksums:
             data = storage.read_checked(path, rec["size"], algorithm, rec[algorithm])
-            if keep and name.endswith(".pt"):
+            if keep:
                 kept[str(path)] = data
     _verified.update(kept)
+    if checksums:
+        from .backends import backend_class  # the backends build on this module: imported when first verifying
+
+        backend_class(manifest["backend"]).check_files(step_dir, manifest)
     return manifest
 
 
@@ -314,6 +442,9 @@ def resolve(root: Path, spec: str, *, quiet: bool = False, keep: bool = False) -
         return resolve_latest([root], quiet=quiet, keep=keep)
     if spec.isdigit():
         path = root / step_dir_name(int(spec))
+        if _is_link(path):
+            raise CheckpointError(f"{path} is a symbolic link, not a checkpoint this run wrote; pass the folder it "
+                                  f"points to ({os.readlink(path)}) as --resume-from-checkpoint PATH if you trust it")
     else:
         path = storage.as_path(spec)
         if path.name in (MANIFEST, COMMITTED) or path.is_file():
@@ -337,9 +468,12 @@ def resolve_latest(roots: list, *, quiet: bool = False, keep: bool = False) -> C
     for order, root in enumerate(storage.as_path(r) for r in roots):
         try:
             candidates += [(info.step, -order, info) for info in list_checkpoints(root)]
+            for link in linked_step_dirs(root):
+                warn(f"skipping {link}: a symbolic link, not a checkpoint this run wrote (never followed)")
         except OSError as e:
             unreadable.append(f"cannot list {root}: {e.strerror or e}")
             warn(f"skipping {root}: {e.strerror or e}")
+    invalid = []
     for _, _, info in sorted(candidates, key=lambda c: c[:2], reverse=True):
         if not info.committed:
             warn(f"skipping {info.path}: not committed (interrupted save)")
@@ -348,12 +482,23 @@ def resolve_latest(roots: list, *, quiet: bool = False, keep: bool = False) -> C
             info.manifest = verify(info.path, keep=keep)
             return info
         except CheckpointError as e:
+            invalid.append(str(e))
             warn(f"skipping {info.path}: {e}")
         except OSError as e:  # e.g. an object store that stopped answering mid-way
+            invalid.append(f"{info.path}: {e.strerror or e}")
             warn(f"skipping {info.path}: {e.strerror or e}")
     if unreadable:
         raise CheckpointError(f"{unreadable[0]}; no other checkpoint location has a valid checkpoint")
+    if invalid:  # committed once, none verifies now: starting over would bury the run under a fresh one
+        raise NoValidCheckpoint(
+            f"none of the {len(invalid)} committed checkpoint(s) verifies (the newest: {invalid[0]}); nothing was "
+            "changed: repair or move them, resume from a copy (--resume-from-checkpoint PATH), or start a new run "
+            "under another --experiment_name")
     return None
+
+
+class NoValidCheckpoint(CheckpointError):
+    """`latest`: there are committed checkpoints, and none of them verifies."""
 
 
 # --- retention -----------------------------------------------------------------------------------------------------
@@ -404,22 +549,27 @@ def apply_retention(root: Path, keep: int, *, keep_every: int = 0, keep_best: in
     doomed = [i for i in committed if i.step not in keep_steps and not (keep_every and i.step % keep_every == 0)]
     # Stale partial folders older than the newest commit are leftovers of a crash; they never become loadable.
     doomed += [i for i in infos if not i.committed and i.step < newest and i.step not in in_flight]
+    removed = []
     for info in doomed:
         guard(f"delete {info.path.name}")
         fault_point("during_retention_delete", info.path)
-        # Remove the commit marker first so a crash mid-delete leaves an *uncommitted* folder, never a
-        # committed one with missing files.
         try:
-            (info.path / COMMITTED).unlink()
-        except FileNotFoundError:
-            pass
-        storage.rmtree(info.path)
+            remove_step_dir(info.path, "retention keeps it: move them out to let it go")
+        except CheckpointError as e:
+            if str(info.path) not in _kept_foreign:  # once per folder and process: a save every N steps repeats it
+                _kept_foreign.add(str(info.path))
+                _log.warning(f"warning: {label}: {e}")
+            continue
+        removed.append(info.step)
         _log.info(f"{label}: removed {info.path.name}")
-    if doomed:
+    if removed:
         storage.sync_dir(storage.as_path(root))
     if not storage.is_remote(root):
         _sweep_other_staging(storage.as_path(root), own_staging, guard)
-    return [i.step for i in doomed]
+    return removed
+
+
+_kept_foreign: set[str] = set()
 
 
 # --- staging, publishing, start-up sweep, retiring an abandoned line (local filesystems) --------------------------------
@@ -445,6 +595,12 @@ def publish(staged: Path, root: Path, step: int, *, guard: Callable[[str], None]
     just-in-time save racing a periodic one of the same step). Returns the final path."""
     target = Path(root) / step_dir_name(step)
     trash = None
+    if target.is_symlink():  # not ours (list_checkpoints ignores it): kept, under a name nothing here reads
+        aside = target.with_name(f"{target.name}.link-{tag or uuid.uuid4().hex[:8]}")
+        guard(f"move the link {target.name} aside")
+        target.rename(aside)
+        _log.warning(f"warning: {target} was a symbolic link to {os.readlink(aside)}, not a checkpoint this run wrote; "
+                     f"renamed it {aside.name} to publish step {step}")
     if target.exists() and not replace_valid:
         try:
             verify(target)
@@ -480,7 +636,8 @@ def recover(root: Path, own_staging: str = "") -> None:
     if not root.is_dir():
         return
     removed = []
-    for stage in sorted(p for p in root.iterdir() if p.name.startswith(STAGING_PREFIX) and p.name != own_staging):
+    for stage in sorted(p for p in root.iterdir() if p.name.startswith(STAGING_PREFIX) and p.name != own_staging
+                        and not p.is_symlink()):
         for staged in sorted(stage.iterdir()) if stage.is_dir() else []:
             m = STEP_DIR_RE.match(staged.name)
             if m and (staged / COMMITTED).exists() and not (root / staged.name).exists():
@@ -537,12 +694,14 @@ def ensure_writable(root: Path) -> None:
     """Fail at startup, not at the first save, if the checkpoint folder cannot be written (S3: bucket, credentials)."""
     if storage.is_remote(root):
         return storage.as_path(root).ensure_writable()
+    probe = Path(root) / f".write-probe-{os.getpid()}"
     try:
         Path(root).mkdir(parents=True, exist_ok=True)
-        probe = Path(root) / f".write-probe-{os.getpid()}"
-        probe.write_bytes(b"ok")
-        probe.unlink()
+        try:
+            probe.write_bytes(b"ok")
+        finally:  # a full disk creates the file and then fails the write: never leave it behind
+            probe.unlink(missing_ok=True)
     except OSError as e:
         raise CheckpointError(
-            f"checkpoint directory {root} is not writable ({e.strerror}); pass --checkpoint-dir pointing to a writable path"
-        ) from None
+            f"checkpoint directory {root} is not writable ({e.strerror or e}); free space or fix its permissions "
+            "there, or pass --checkpoint-dir pointing to a writable path") from None

@@ -7,13 +7,17 @@ Taking over = creating ``gen-<g+1>`` with ``link(2)`` from a complete temporary 
 exists, atomically, on local filesystems and on NFS/Lustre/GPFS alike (the classic NFS lock-file idiom; ``flock`` is not
 reliable there). Two starts racing for the same generation: exactly one wins, the other re-reads and is refused.
 
-Fencing: an incarnation holding generation g is *fenced* as soon as ``gen-<g+1>`` exists. Every commit, step-folder
-replacement, retirement and retention sweep checks that first (one ``stat``), so a stale incarnation -- the ranks of a
-partitioned node still running after SLURM requeued the job, a SIGSTOPped job that is continued -- can never change the
-run directory once a newer one has taken over. It says so and stops (train.py exits with code 6). What is relied on:
-atomic ``link`` with EEXIST, and that a file created by one node is visible to a ``stat`` on another afterwards
-(close-to-open consistency). A check and the change it guards are not one atomic operation: a stale writer stopped
-exactly between them could still make that one change when continued; it cannot make a second one.
+Fencing: an incarnation holding generation g is *fenced* as soon as ``gen-<g+1>`` exists, or as soon as its own
+``gen-<g>`` is gone or is not its own any more: every record carries a random token, and the holder compares it. A
+generation number alone cannot tell: if ``.owner`` is deleted, the next start finds no lease and takes generation 1
+again, perhaps the very number the holder has. Every commit, step-folder replacement, retirement and retention sweep
+checks that first (a ``stat`` and a read of one small file), and so do the heartbeat and rank 0 at every step boundary,
+so a stale incarnation -- the ranks of a partitioned node still running after SLURM requeued the job, a SIGSTOPped job
+that is continued, a run whose ``.owner`` was deleted -- can never change the run directory once a newer one has taken
+over. It says so and stops (train.py exits with code 6). What is relied on: atomic ``link`` with EEXIST, and that a
+file created by one node is visible to a ``stat`` on another afterwards (close-to-open consistency). A check and the
+change it guards are not one atomic operation: a stale writer stopped exactly between them could still make that one
+change when continued; it cannot make a second one.
 
 Who may take over a run directory (checked in this order; anything else is refused in one line naming the holder):
   * nobody holds it, or the holder released it (a run that ended, however it ended, if its process could clean up);
@@ -91,24 +95,44 @@ def describe(holder: dict) -> str:
 @dataclass
 class Lease:
     """This incarnation's claim on ``root``. Rank 0 acquires it (``acquire``); the other ranks build one from the
-    broadcast generation (``Lease(root, gen)``) for the same fencing checks."""
+    broadcast generation (``Lease(root, gen)``, which reads the record's token) for the same fencing checks."""
 
     root: Path
     generation: int
     holder: dict | None = None
-    _fenced_by: str = ""
+    token: str | None = None  # the holder's record's token; other ranks read it from the record when they start
+    _fenced_why: str = ""
     _stop: threading.Event = field(default_factory=threading.Event)  # ends the heartbeat
+
+    def __post_init__(self) -> None:
+        if self.token is None and self.generation:
+            self.token = (self.holder or _read(self.dir / _gen_name(self.generation)) or {}).get("token")
 
     @property
     def dir(self) -> Path:
         return Path(self.root) / OWNER_DIR
 
     def fenced(self) -> bool:
-        """True once a newer incarnation has taken over (sticky)."""
-        if not self._fenced_by and self.generation and (self.dir / _gen_name(self.generation + 1)).exists():
-            newer = _read(self.dir / _gen_name(self.generation + 1)) or {"generation": self.generation + 1}
-            self._fenced_by = describe(newer)
-        return bool(self._fenced_by)
+        """True once a newer incarnation has taken over, or this one's record is gone or another's (sticky)."""
+        if not self._fenced_why and self.generation:
+            self._fenced_why = self._lost()
+        return bool(self._fenced_why)
+
+    def _lost(self) -> str:
+        """Why this incarnation no longer holds the run directory ("" while it does)."""
+        newer = self.dir / _gen_name(self.generation + 1)
+        if newer.exists():
+            return f"was taken over by {describe(_read(newer) or {'generation': self.generation + 1})}"
+        if self.token is None:  # a rank that could not read the record at start: the generation is all it knows
+            return ""
+        ours = self.dir / _gen_name(self.generation)
+        record = _read(ours)
+        if record is not None and record.get("token") == self.token:
+            return ""
+        gens = generations(self.dir)
+        now = _read(self.dir / _gen_name(gens[-1])) if gens else None
+        holder = f"; {describe(now)} holds it now" if now else ""
+        return f"lost its lease: {OWNER_DIR}/{ours.name} was deleted or replaced while this run held it{holder}"
 
     def check(self, what: str) -> None:
         """Raise Fenced unless this incarnation still owns the run directory; ``what`` names the change refused."""
@@ -117,8 +141,8 @@ class Lease:
 
     @property
     def fenced_message(self) -> str:
-        return (f"{self.root} was taken over by {self._fenced_by}; this incarnation (generation {self.generation}) "
-                "is fenced: it stops without changing the run directory")
+        return (f"{self.root} {self._fenced_why}; this incarnation (generation {self.generation}) is fenced: it "
+                "stops without changing the run directory")
 
     # --- rank 0 ------------------------------------------------------------------------------------------------------
     def start_heartbeat(self, period: float = HEARTBEAT_S) -> None:
@@ -249,7 +273,7 @@ def _acquire(root: Path, force: bool, environ: Mapping[str, str], job_running: C
                     f"--force-takeover if that run is dead (it is then fenced)")
             if why:
                 _log.info(f"run directory: taking over from {why}")
-        record = {**me, "generation": current + 1}
+        record = {**me, "generation": current + 1, "token": uuid.uuid4().hex}
         try:
             _publish(owner_dir / _gen_name(current + 1), record)
         except FileExistsError:

@@ -50,14 +50,48 @@ def refusal(checkpoint_dir: str, mirror_dir: str, experiment: str) -> str | None
         return str(root) if storage.is_remote(root) else os.path.realpath(root)
 
     primary, mirror = run_root(checkpoint_dir), run_root(mirror_dir)
-    if primary == mirror:
-        return (f"--mirror-dir {mirror_dir} is the --checkpoint-dir itself; give the mirror another location (e.g. "
-                "the shared filesystem or s3://bucket/prefix)")
-    inside = mirror.startswith(primary.rstrip("/") + "/") or primary.startswith(mirror.rstrip("/") + "/")
-    if inside:
+    if storage.is_remote(primary) or storage.is_remote(mirror):
+        in_primary = mirror == primary or mirror.startswith(primary.rstrip("/") + "/")
+        in_mirror = primary == mirror or primary.startswith(mirror.rstrip("/") + "/")
+    else:  # one folder can have several names (a bind mount, a symbolic link): ask the kernel, not the strings
+        p, m = _where(primary), _where(mirror)
+        in_primary, in_mirror = _local_within(m, p), _local_within(p, m)
+    if in_primary and in_mirror:
+        alias = "" if primary == mirror else f" under another name (run folders {primary} and {mirror})"
+        return (f"--mirror-dir {mirror_dir} is the --checkpoint-dir itself{alias}; give the mirror another location "
+                "(e.g. the shared filesystem or s3://bucket/prefix)")
+    if in_primary or in_mirror:
         return (f"--mirror-dir {mirror_dir} and --checkpoint-dir {checkpoint_dir} hold one another (run folders "
                 f"{primary} and {mirror}); give the mirror a separate location")
     return None
+
+
+def _where(path: str) -> tuple[list[tuple[int, int]], tuple[str, ...]]:
+    """A local path as the kernel sees it: (device, inode) of its nearest existing folder and of every folder above
+    that one, and the names below it that do not exist yet (a run folder is often created later)."""
+    head, missing = path, []
+    while True:
+        try:
+            st = os.stat(head)
+            break
+        except OSError:  # not there (or not searchable): compare by name from the folder above
+            head, name = os.path.split(head)
+            missing.insert(0, name)
+    chain = [(st.st_dev, st.st_ino)]
+    while head != os.path.dirname(head):
+        head = os.path.dirname(head)
+        st = os.stat(head)
+        chain.append((st.st_dev, st.st_ino))
+    return chain, tuple(missing)
+
+
+def _local_within(inner, outer) -> bool:
+    """``inner`` is the folder ``outer`` or inside it (both from ``_where``)."""
+    (inner_chain, inner_missing), (outer_chain, outer_missing) = inner, outer
+    if not outer_missing:  # outer exists: inner is in it if inner's path goes through it
+        return outer_chain[0] in inner_chain
+    # outer does not exist yet, so neither does anything in it: inner hangs below the same existing folder, by name
+    return inner_chain[0] == outer_chain[0] and inner_missing[:len(outer_missing)] == outer_missing
 
 
 class Mirror:
@@ -104,7 +138,7 @@ class Mirror:
                 for info in layout.list_checkpoints(self.root):
                     if not info.committed:
                         self.guard(f"delete the interrupted mirror copy {info.path.name}")
-                        storage.rmtree(info.path)
+                        layout.remove_step_dir(info.path, "move them out of the mirror")
                         _log.info(f"mirror: removed {info.path}, an interrupted copy")
             else:
                 self.guard("clean up the mirror")

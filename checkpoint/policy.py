@@ -21,8 +21,8 @@ SLURM sends after a requeue) are only recorded: they never start a second save n
 
 There are no data-loader worker processes (the loader is in-process), so no child can die of the signal before the
 save commits; the SLURM commands we start run with the signals blocked (checkpoint/slurm.py). A SIGTERM that arrives
-before the loop starts (nothing to save yet) exits at once with 143, as without a handler; a SIGINT then, with 130 and
-one line instead of a KeyboardInterrupt traceback.
+before the loop starts (nothing to save yet) exits at once with 143, as without a handler, and a SIGINT with 130: each
+with one line (instead of nothing, or a KeyboardInterrupt traceback).
 
 After the loop, ``finish`` decides the exit: finished, stopped-and-requeued (rank 0 runs ``scontrol requeue`` once the
 checkpoint has committed; array-aware; bounded by ``--max-restarts`` vs ``SLURM_RESTART_COUNT``; never when training is
@@ -81,23 +81,33 @@ class IntervalPolicy:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+#: Signals that cannot mean "save at the next step boundary and stop", by name, with why (``--signal`` refuses them
+#: by name or number alike).
+UNUSABLE_SIGNALS = {
+    **dict.fromkeys(("SIGKILL", "SIGSTOP"), "cannot be caught"),
+    **dict.fromkeys(("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGTRAP", "SIGSYS"),
+                    "reports a crash of the process itself"),
+    "SIGCHLD": "arrives whenever a child process exits", "SIGCONT": "arrives whenever a stopped process is continued",
+    "SIGWINCH": "arrives whenever the terminal is resized", "SIGURG": "arrives with a socket's urgent data",
+    "SIGPIPE": "arrives at a write to a closed pipe",
+    **dict.fromkeys(("SIGTSTP", "SIGTTIN", "SIGTTOU"), "is job control (Ctrl-Z, terminal access)"),
+}
+
+
 def parse_signal(text: str) -> int | None:
-    """``USR1`` / ``SIGUSR1`` / ``10`` -> signal number; ``none`` -> None (only SIGTERM is handled)."""
+    """``USR1`` / ``SIGUSR1`` / ``10`` -> signal number; ``none`` -> None (only SIGTERM is handled). ValueError (one
+    line) for an unknown signal or one in UNUSABLE_SIGNALS."""
     t = str(text).strip().upper()
     if t in ("", "NONE", "OFF", "0"):
         return None
-    if t.isdigit():
-        try:
-            return int(signal.Signals(int(t)))
-        except ValueError:
-            raise ValueError(f"unknown signal number {t}") from None
-    name = t if t.startswith("SIG") else "SIG" + t
-    if name in ("SIGKILL", "SIGSTOP"):
-        raise ValueError(f"{name} cannot be handled")
     try:
-        return int(signal.Signals[name])
-    except KeyError:
+        sig = signal.Signals(int(t)) if t.isdigit() else signal.Signals[t if t.startswith("SIG") else "SIG" + t]
+    except (ValueError, KeyError):
         raise ValueError(f"unknown signal {text!r} (e.g. USR1, SIGUSR2, 12, none)") from None
+    if sig.name in UNUSABLE_SIGNALS:
+        raise ValueError(f"{sig.name} ({int(sig)}) {UNUSABLE_SIGNALS[sig.name]}, so it cannot be the stop signal; use "
+                         f"SIGUSR1 or SIGUSR2 (or none)")
+    return int(sig)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -105,24 +115,39 @@ def parse_signal(text: str) -> int | None:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _interrupted_now(what: str) -> None:
-    """Ctrl-C that cannot wait for a save: one line, exit 130 (128 + SIGINT) at once, no KeyboardInterrupt traceback.
-    os.write/os._exit: safe from a handler that may have interrupted a print, and nothing left to unwind or join."""
-    os.write(2, f"interrupted (SIGINT) {what}\n".encode())
-    os._exit(128 + signal.SIGINT)
+#: how a line says which signal ended the process (train.py's start-up handlers say the same)
+_ENDED_BY = {signal.SIGINT: "interrupted (SIGINT)", signal.SIGTERM: "terminated (SIGTERM)"}
+NOTHING_TO_SAVE = "before training started: nothing to save yet"
+
+
+def _say_now(signum: int, what: str) -> None:
+    """One line from a handler: os.write is safe where print is not (the handler may have interrupted a print)."""
+    os.write(2, f"{_ENDED_BY[signum]} {what}\n".encode())
+
+
+def _exit_now(signum: int, what: str) -> None:
+    """A signal that cannot wait for a save: one line, exit 128 + signum at once, no KeyboardInterrupt traceback.
+    os._exit: nothing left to unwind or join."""
+    _say_now(signum, what)
+    os._exit(128 + signum)
 
 
 class SignalWatcher:
     """Records signals; the loop reads them at step boundaries. The handler does nothing else (no I/O, no locks), except
-    that SIGTERM before ``arm()`` (setup: nothing to save yet) exits at once with 143 like the default action. It is
-    one listener of the process's signal owner (signals.py), which restores the previous handlers at the end.
+    that SIGTERM before ``arm()`` (setup: nothing to save yet) says so in one line and exits with 143, as the default
+    action would, through ``exit_process``: raising SystemExit by default; a program passes os._exit, since an exception
+    raised from a handler can be swallowed or converted by the code it interrupts (an extension module's import turns
+    it into ImportError). It is one listener of the process's signal owner (signals.py), which restores the previous
+    handlers at the end.
 
     SIGINT (Ctrl-C; torchrun forwards it to every rank) is SIGTERM's "save and stop, no requeue" in the loop. Before
-    ``arm()``, a second SIGINT, or one after the last save: exit at once with 130 and one line (``_interrupted_now``)."""
+    ``arm()``, a second SIGINT, or one after the last save: exit at once with 130 and one line (``_exit_now``)."""
 
-    def __init__(self, stop_signal: int | None, owner: SignalOwner | None = None):
+    def __init__(self, stop_signal: int | None, owner: SignalOwner | None = None,
+                 exit_process: Callable[[int], None] | None = None):
         self.stop_signal = stop_signal
         self.owner = owner or SignalOwner()
+        self.exit_process = exit_process or _raise_exit
         self.received: list[int] = []
         self.armed = False
         self._reported = 0
@@ -144,19 +169,21 @@ class SignalWatcher:
 
     def _handle(self, signum: int) -> None:
         if signum == signal.SIGINT and not self.armed:
-            _interrupted_now("before training started: nothing to save yet")
+            _exit_now(signum, NOTHING_TO_SAVE)
         if signum == signal.SIGINT and signal.SIGINT in self.received:
-            _interrupted_now("again: exiting now without saving; --resume-from-checkpoint latest continues from the "
-                             "last committed checkpoint")
+            _exit_now(signum, "again: exiting now without saving; --resume-from-checkpoint latest continues from the "
+                              "last committed checkpoint")
         self.received.append(signum)
         if signum == signal.SIGTERM and not self.armed:
-            raise SystemExit(128 + signal.SIGTERM)
+            _say_now(signum, NOTHING_TO_SAVE)
+            self.exit_process(128 + signal.SIGTERM)
 
     def release_term(self) -> None:
-        """After the last save: the handlers found at install come back (SIGTERM's default kills again), and SIGINT
-        exits at once (a process stuck in teardown must not outlive it)."""
+        """After the last save: the handlers found at install come back, and SIGINT and SIGTERM exit at once with one
+        line (a process stuck in teardown must not outlive them)."""
         self.owner.restore()
-        self.owner.listen(signal.SIGINT, lambda _: _interrupted_now("after the last save: exiting now"))
+        for sig in _ENDED_BY:
+            self.owner.listen(sig, lambda s: _exit_now(s, "after the last save: exiting now"))
 
     def restore(self) -> None:
         """The end of the run: every handler as it was before ``install``."""
@@ -174,10 +201,15 @@ class SignalWatcher:
         return names
 
 
-def install_signal_handlers(signal_spec: str | int | None, owner: SignalOwner | None = None) -> SignalWatcher:
+def _raise_exit(code: int) -> None:
+    raise SystemExit(code)
+
+
+def install_signal_handlers(signal_spec: str | int | None, owner: SignalOwner | None = None,
+                            exit_process: Callable[[int], None] | None = None) -> SignalWatcher:
     """Install the handlers as early as possible (a warning signal before this kills the process by default)."""
     stop = signal_spec if isinstance(signal_spec, int) or signal_spec is None else parse_signal(signal_spec)
-    return SignalWatcher(stop, owner).install()
+    return SignalWatcher(stop, owner, exit_process).install()
 
 
 class WallClockInterval:

@@ -107,8 +107,43 @@ def copy_file(src, dst, *, before_chunk: Callable[[], None] | None = None) -> di
     return write_with(dst, fill)
 
 
+def strangers(folder, owned: Callable[[str], object]) -> list[str]:
+    """What in ``folder`` PyRecover cannot have written: a name ``owned`` refuses, a sub-folder, a symbolic link (never
+    followed). The folder itself as a link to elsewhere is a stranger too."""
+    if isinstance(folder, S3Path):
+        return sorted(p.name + "/" if p.is_dir() else p.name for p in folder.iterdir()
+                      if p.is_dir() or not owned(p.name))
+    folder = Path(folder)
+    if folder.is_symlink():
+        return [f"{folder.name} itself (a symbolic link to {os.readlink(folder)})"]
+    try:
+        entries = list(os.scandir(folder))
+    except FileNotFoundError:
+        return []
+    found = []
+    for e in entries:
+        if e.is_symlink():
+            found.append(f"{e.name} (a symbolic link)")
+        elif e.is_dir(follow_symlinks=False):
+            found.append(e.name + "/")
+        elif not owned(e.name):
+            found.append(e.name)
+    return sorted(found)
+
+
+def check_owned(folder, owned: Callable[[str], object], why: str) -> None:
+    """Refuse (CheckpointError, one line) to delete a folder that holds anything PyRecover cannot have written: it
+    deletes only what it can prove is its own. ``why``: what the user can do instead."""
+    found = strangers(folder, owned)
+    if found:
+        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+        raise CheckpointError(f"{folder} holds {', '.join(found[:3])}{more}, which PyRecover did not write, so it "
+                              f"is not deleted; {why}")
+
+
 def rmtree(path) -> None:
-    """Remove a folder and everything under it; best effort, like ``shutil.rmtree(ignore_errors=True)``."""
+    """Remove a folder and everything under it; best effort, like ``shutil.rmtree(ignore_errors=True)``. Only for
+    what is provably ours: a staging folder by its name, or a folder :func:`check_owned` passed."""
     if isinstance(path, S3Path):
         try:
             path.rmtree()

@@ -10,6 +10,7 @@ any world size. Exit 0: equal within tolerance (0 = bitwise); 1: different; 2: e
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -80,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="accepted for compatibility: sharded (DCP) checkpoints are read without a process group")
     p.add_argument("--verbose", action="store_true", help="print a per-tensor table")
     args = p.parse_args(argv)
+    if not math.isfinite(args.tolerance) or args.tolerance < 0:  # nan would call every difference equal
+        print(f"error: --tolerance {args.tolerance:g} is not a finite number >= 0; give 0 (bitwise) or a positive "
+              "bound on |a-b|", file=sys.stderr)
+        return 2
     try:
         problems = []
         sections = ["model"] + (["optimizer"] if args.optimizer else [])

@@ -136,6 +136,12 @@ class Backend(ABC):
         dict of full tensors, in this process, with no process group and no model (checkpoint/reader.py)."""
         raise NotImplementedError
 
+    @staticmethod
+    def check_files(step_dir: Path, manifest: dict) -> None:
+        """What ``verify`` cannot see from the manifest alone: every file this backend's load would open, as named
+        inside its own payload (DCP's ``.metadata``), must be one the manifest records, inside the folder (through
+        layout.member); else CheckpointError. The default: the backend opens only the manifest's names."""
+
     def check_state(self, state: CheckpointState) -> None:
         """Refuse model/optimizer pieces built for the other mode than this backend saves (``sharded``) where the
         modes differ -- a model holding DTensors (FSDP); for any other model both give the same plain tensors. Called

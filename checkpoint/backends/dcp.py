@@ -69,13 +69,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
-from .. import storage
+from .. import layout, storage
 from ..errors import CheckpointError
-from ..fsio import ChecksumWriter, real_io_errors
+from ..fsio import ChecksumWriter, MemoryFile, real_io_errors
 from ..knobs import fault_point
 from ..state import CheckpointState, check_compatible
 from .base import ASYNC_OPTIONAL, Backend, CompletedPayload, PayloadHandle, RankInfo
-from .vanilla import load_pieces, load_weights_only, payload_pieces, safe_load, save_pieces
+from .vanilla import load_file, load_pieces, load_weights_only, payload_pieces, save_pieces
 
 #: the pieces DCP writes (sharded / de-duplicated); every other piece goes through vanilla's helpers
 TENSOR_KEYS = ("model", "optimizer")
@@ -202,35 +202,70 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _SafeMetadata:
-    """Mixin for DCP storage readers: ``.metadata`` through the allow-list unpickler instead of ``pickle.load``."""
+    """Mixin for DCP storage readers: ``.metadata`` through the allow-list unpickler instead of ``pickle.load``, and
+    every file it points DCP at must be one the (verified) manifest records: a resealed ``.metadata`` naming
+    ``../../elsewhere.distcp`` is refused before DCP opens anything."""
+
+    manifest: dict
+    step_dir: Any
 
     def read_metadata(self, *args, **kwargs):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             data = f.read()
         metadata = _MetadataUnpickler(data, str(path)).load()
+        for info in (metadata.storage_data or {}).values():
+            layout.member(self.step_dir, str(getattr(info, "relative_path", "")), self.manifest)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
+class _VerifiedFiles:
+    """DCP's filesystem for reading, over a checkpoint's manifest: a file is opened only through layout.member (listed,
+    inside the folder, no link) and served from bytes checked against its record (the ones verify() just read, or
+    read and checked now) -- DCP never reads an unverified byte."""
+
+    def __init__(self, fs, step_dir: Path, manifest: dict):
+        self._fs, self._step_dir, self._manifest = fs, Path(step_dir), manifest
+
+    def __getattr__(self, name):
+        return getattr(self._fs, name)
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        if "r" not in mode or any(c in mode for c in "wa+"):
+            raise CheckpointError(f"{self._step_dir}: a load does not write ({path}, mode {mode!r})")
+        name = os.path.relpath(os.fspath(path), self._step_dir)
+        where = layout.member(self._step_dir, name, self._manifest)
+        record = self._manifest["files"][name]
+        yield MemoryFile(layout.take_verified(where, record, self._manifest["checksum"]))
+
+
 class _SafeFileSystemReader(_SafeMetadata, FileSystemReader):
-    pass
+    def __init__(self, step_dir, manifest: dict):
+        super().__init__(step_dir)
+        self.step_dir, self.manifest = step_dir, manifest
+        self.fs = _VerifiedFiles(self.fs, step_dir, manifest)
 
 
 _s3_reader_cls = None
 
 
-def _reader(step_dir):
+def _reader(step_dir, manifest: dict):
+    """A DCP storage reader for a verified checkpoint. S3: the names are checked against the manifest (verify() read
+    and checked every object just before); the bytes come from s3torchconnector's own reads."""
     global _s3_reader_cls
     if storage.is_remote(step_dir):
         if _s3_reader_cls is None:
             from s3torchconnector.dcp import S3StorageReader
 
             _s3_reader_cls = type("_SafeS3StorageReader", (_SafeMetadata, S3StorageReader), {})
-        return _s3_reader_cls(storage.region(), str(step_dir), s3client_config=storage.client_config())
-    return _SafeFileSystemReader(step_dir)
+        reader = _s3_reader_cls(storage.region(), str(step_dir), s3client_config=storage.client_config())
+        reader.step_dir, reader.manifest = step_dir, manifest
+        return reader
+    return _SafeFileSystemReader(step_dir, manifest)
 
 
 class _WeightsOnlyBytes:
@@ -283,13 +318,21 @@ def _load_error(e: BaseException, step_dir) -> CheckpointError:
     return CheckpointError(f"loading {step_dir} with DCP failed: {_first_line(leaf)}")
 
 
-def read_metadata(step_dir):
+def read_metadata(step_dir, manifest: dict):
     try:
-        return _reader(step_dir).read_metadata()
+        return _reader(step_dir, manifest).read_metadata()
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001
         raise _load_error(e, step_dir) from None
+
+
+def check_files(step_dir, manifest: dict) -> None:
+    """``DCPBackend.check_files``: the ``.metadata`` (verified bytes, allow-list unpickler) names only manifest-listed
+    files inside the folder (_SafeMetadata). So `verify` and `latest` refuse a resealed one, as the load would."""
+    if METADATA not in manifest["files"]:
+        raise CheckpointError(f"{step_dir}: manifest says backend dcp but lists no {METADATA}")
+    read_metadata(step_dir, manifest)
 
 
 def _check_fits(metadata, expected_model: dict[str, torch.Tensor]) -> None:
@@ -306,10 +349,10 @@ def read_section(step_dir, manifest: dict, section: str) -> dict[str, Any]:
         name = f"{section}.pt"
         if name not in manifest["files"]:
             raise CheckpointError(f"{step_dir} holds no {section} state")
-        return safe_load(storage.as_path(step_dir) / name)
+        return load_file(step_dir, manifest, name)
     planner = _TemplateFreePlanner(keys={section})
     try:
-        dcp.load({}, storage_reader=_reader(step_dir), planner=planner, no_dist=True)
+        dcp.load({}, storage_reader=_reader(step_dir, manifest), planner=planner, no_dist=True)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # CheckpointException derives from BaseException
@@ -405,6 +448,7 @@ class DCPBackend(Backend):
     asynchronous = ASYNC_OPTIONAL
     read_section = staticmethod(read_section)
     write_sections = staticmethod(write_sections)
+    check_files = staticmethod(check_files)
 
     def __init__(self, rank: RankInfo, *, async_save: bool | str = False):
         super().__init__(rank)
@@ -511,9 +555,9 @@ class DCPBackend(Backend):
             raise CheckpointError(f"{step_dir}: manifest says backend dcp but lists no {METADATA}")
         tensors = {k: state[k].state_dict() for k in TENSOR_KEYS if k in state}
         if "model" in tensors:
-            _check_fits(read_metadata(step_dir), tensors["model"])
+            _check_fits(read_metadata(step_dir, manifest), tensors["model"])
         try:
-            dcp.load(tensors, storage_reader=_reader(step_dir), planner=_LoadPlanner(), no_dist=not _dist())
+            dcp.load(tensors, storage_reader=_reader(step_dir, manifest), planner=_LoadPlanner(), no_dist=not _dist())
         except (Exception, CheckpointException) as e:
             raise _load_error(e, step_dir) from None
         for key, value in tensors.items():

@@ -99,7 +99,7 @@ def read_section(step_dir: Path, manifest: dict, section: str) -> dict[str, Any]
     name = f"{section}.pt"
     if name not in manifest["files"]:
         raise CheckpointError(f"{step_dir} holds no {section} state")
-    return safe_load(step_dir / name, mmap=True)
+    return safe_load(layout.member(step_dir, name, manifest), mmap=True)  # verified by reader.locate just before
 
 
 def write_sections(step_dir: Path, sections: dict[str, dict]) -> dict[str, dict]:
@@ -109,20 +109,25 @@ def write_sections(step_dir: Path, sections: dict[str, dict]) -> dict[str, dict]
             for s, sd in sections.items()}
 
 
+def load_file(step_dir: Path, manifest: dict, name: str) -> Any:
+    """A manifest-listed torch file of a checkpoint, read from inside its folder and verified (layout.member)."""
+    return safe_load(layout.member(step_dir, name, manifest), manifest["files"][name], manifest["checksum"])
+
+
 def load_pieces(step_dir: Path, manifest: dict, state: CheckpointState, rank: int) -> None:
     files = manifest["files"]
     for key, piece in state.shared().items():
         name = f"{key}.pt"
         if name not in files:
             raise CheckpointError(f"{step_dir} has no {name!r}; it was saved by a run without {key}")
-        piece.load_state_dict(safe_load(step_dir / name, files[name], manifest["checksum"]))
+        piece.load_state_dict(load_file(step_dir, manifest, name))
     own = rank_file(rank)
     if own in files:
-        per_rank = safe_load(step_dir / own, files[own], manifest["checksum"])
+        per_rank = load_file(step_dir, manifest, own)
     else:
         # Resuming at a larger world size: the loader position is global (rank 0's serves every rank); the new
         # rank's RNG keeps its fresh seed. Said out loud because the run is then not bit-identical to the old one.
-        per_rank = safe_load(step_dir / rank_file(0), files[rank_file(0)], manifest["checksum"])
+        per_rank = load_file(step_dir, manifest, rank_file(0))
         per_rank.pop("rng", None)
         _log.info(f"rank {rank}: {step_dir} was saved by {manifest['world_size']} ranks; using rank 0's data "
                   "position, fresh RNG", extra=EVERY_RANK)
