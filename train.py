@@ -81,7 +81,7 @@ EXIT_REQUEUE = 3  # to be continued: requeued by train.py (SLURM signal/walltime
 EXIT_STOPPED = 4  # not requeued: SIGTERM, Ctrl-C (SIGINT; a second one exits at once with 130), --no-requeue, job
 #                   array task, --max-restarts reached, or not under SLURM
 EXIT_REQUEUE_FAILED = 5  # a requeue was due but failed (e.g. scontrol missing): resubmit to continue
-EXIT_FENCED = 6  # a newer incarnation took the run directory over (checkpoint/lease.py): this one changed nothing
+EXIT_FENCED = 6  # this incarnation lost the run directory's lease (checkpoint/lease.py): it changed nothing
 
 #: how a run ends -> exit code: the stop policy's outcomes, then the errors that are the user's to fix (one line each).
 #: Any other exception is a bug and shows its traceback.

@@ -54,7 +54,8 @@ def _tell(msg: str) -> None:
     _log.info(msg, extra=EVERY_RANK)
 
 # Votes, ordered by urgency: agreement is an all-reduce MAX.
-# FENCED: a newer incarnation owns the run directory (checkpoint/lease.py): stop WITHOUT saving.
+# FENCED: this incarnation no longer holds the run directory's lease (taken over, or its record deleted or replaced;
+# checkpoint/lease.py): stop WITHOUT saving.
 NONE, INTERVAL, WALLTIME, SIGNAL, TERM, FENCED = 0, 1, 2, 3, 4, 5
 REASONS = {NONE: "", INTERVAL: "interval", WALLTIME: "walltime", SIGNAL: "signal", TERM: "SIGTERM", FENCED: "fenced"}
 #: what train.py blocks before its (slow) imports, before it can import this module; released by SignalWatcher.install
@@ -272,7 +273,7 @@ class StepBoundary:
         self.mono = mono
         self.step_sleep = step_sleep
         self.save_history = save_history  # CheckpointManager.history: SaveRecord(blocking_s, durable_s)
-        self.fenced = fenced  # rank 0: True once a newer incarnation has taken the run directory over
+        self.fenced = fenced  # rank 0: True once this incarnation no longer holds the lease
         self.stopped: Decision | None = None
         self.stop_step: int | None = None
         self._last = mono()
@@ -337,7 +338,7 @@ class StepBoundary:
 
     def _why(self, agreed: int) -> str:
         if agreed == FENCED:
-            return "a newer incarnation took the run directory over; this one is fenced and saves nothing"
+            return "this incarnation no longer holds the run directory's lease (taken over, or its record deleted); it is fenced and saves nothing"
         if agreed in (SIGNAL, TERM):
             if self._my_signals:  # as of this rank's vote (one arriving during the all-reduce is logged later)
                 return f"received {', '.join(self._my_signals)}"

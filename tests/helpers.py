@@ -79,6 +79,21 @@ def csv_rows(csv: Path) -> int:
         return 0
 
 
+def start_train(args: list[str], env: dict | None = None) -> subprocess.Popen:
+    """train.py in the background (text pipes): for tests that act on a run while it trains."""
+    return subprocess.Popen([PY, str(ROOT / "train.py"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env_for_tests(env), cwd=ROOT)
+
+
+def wait_rows(csv: Path, rows: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    """Wait until the run's loss CSV has ``rows`` rows; fail if the run ends first or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while csv_rows(csv) < rows:
+        assert proc.poll() is None, f"run ended (rc {proc.returncode}) before row {rows}: {proc.stderr.read()[-2000:]}"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
 def _process_tree(pid: int) -> list[int]:
     """pid and all its descendants. torchrun starts every rank in a NEW session (torch.distributed.elastic's
     SubprocessHandler: start_new_session=True), so killing torchrun's process group leaves the ranks running."""

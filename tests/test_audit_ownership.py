@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PY, ROOT, env_for_tests, in_ci, run_train
-from test_single_writer import _args, _no_traceback, _part_run_ids, _start
+from helpers import PY, ROOT, env_for_tests, in_ci, run_train, start_train
+from test_single_writer import _args, _no_traceback, _part_run_ids
 
 STEPS, FREQ = 20, 5
 
@@ -63,14 +63,14 @@ def test_deleted_lease_record_fences_the_holder_when_a_new_start_reuses_its_gene
     root = tmp_path / "default"
     args = _args(corpus, tmp_path, "--resume-from-checkpoint", "latest", steps=STEPS, freq=FREQ)
     pace = {"PYRECOVER_STEP_SLEEP": "0.2"}
-    a = _start(args, pace)
+    a = start_train(args, pace)
     b = None
     try:
         _wait_until(lambda: (root / "step-00000005" / "COMMITTED").exists(), a, "A's step 5 committed")
         os.kill(a.pid, signal.SIGSTOP)
         a_ids = _part_run_ids(root)[FREQ]
         shutil.rmtree(root / ".owner")
-        b = _start(args, pace)
+        b = start_train(args, pace)
         _wait_until(lambda: _holder_pid(root / ".owner", 1) == b.pid, b, "B holding generation 1")
         os.kill(a.pid, signal.SIGCONT)
         a_out, a_err = a.communicate(timeout=300)
@@ -98,7 +98,7 @@ def test_deleted_lease_record_fences_the_holder_when_a_new_start_reuses_its_gene
 
 def test_deleted_lease_record_stops_the_holder_even_if_nobody_takes_over(corpus, tmp_path):
     root = tmp_path / "default"
-    proc = _start(_args(corpus, tmp_path, steps=STEPS, freq=FREQ), {"PYRECOVER_STEP_SLEEP": "0.2"})
+    proc = start_train(_args(corpus, tmp_path, steps=STEPS, freq=FREQ), {"PYRECOVER_STEP_SLEEP": "0.2"})
     try:
         _wait_until(lambda: (root / "step-00000005" / "COMMITTED").exists(), proc, "step 5 committed")
         shutil.rmtree(root / ".owner")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PY, ROOT, TINY, check_weights, csv_rows, env_for_tests, run_train
+from helpers import TINY, check_weights, run_train, start_train, wait_rows
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -74,23 +74,14 @@ def test_check_weights_refuses_a_tolerance_that_cannot_compare(tmp_path, toleran
 # --- --force-takeover: nothing that can refuse the new start comes after the takeover -----------------------------
 
 
-def _wait_rows(csv: Path, rows: int, proc: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while csv_rows(csv) < rows:
-        assert proc.poll() is None, f"run ended (rc {proc.returncode}) before row {rows}: {proc.stderr.read()[-2000:]}"
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-
-
 def test_force_takeover_refused_on_resume_fences_nothing(tmp_path, corpus):
     """B passes --force-takeover with a flag the checkpoint refuses (another --seed): B is refused before it takes the
     run directory over, so A -- alive, frozen meanwhile -- is not fenced and finishes."""
     args = TINY + ["--dataset", corpus, "--training-steps", "12", "--checkpoint-frequency", "4", "--checkpoint-dir",
                    str(tmp_path), "--log-loss-to-csv", "--resume-from-checkpoint", "latest"]
-    a = subprocess.Popen([PY, str(ROOT / "train.py"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env_for_tests({"PYRECOVER_STEP_SLEEP": "0.1"}), cwd=ROOT)
+    a = start_train(args, {"PYRECOVER_STEP_SLEEP": "0.1"})
     try:
-        _wait_rows(tmp_path / "default/loss.csv", 5, a)  # step 4 committed: B's resume has a checkpoint to compare
+        wait_rows(tmp_path / "default/loss.csv", 5, a)  # step 4 committed: B's resume has a checkpoint to compare
         a.send_signal(signal.SIGSTOP)  # alive, holding the run directory, whatever the machine's speed
         try:
             b = run_train(args + ["--force-takeover", "--seed", "7"])
@@ -123,9 +114,7 @@ def _signal_bits(pid: int, field: str) -> int:
 def test_sigterm_before_training_is_one_line_and_143(tmp_path, corpus, when):
     """`imports`: train.py's own handler is in place (SIGTERM caught) while torch is imported. `setup`: the stop
     policy's handlers exist (it has released the held SIGUSR1), training has not started (tokenizer, data, model)."""
-    proc = subprocess.Popen([PY, str(ROOT / "train.py"), *TINY, "--training-steps", "2", "--dataset", corpus,
-                             "--checkpoint-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env_for_tests(), cwd=ROOT)
+    proc = start_train([*TINY, "--training-steps", "2", "--dataset", corpus, "--checkpoint-dir", str(tmp_path)])
     try:
         deadline = time.monotonic() + 120
         while not (_signal_bits(proc.pid, "SigCgt") >> (signal.SIGTERM - 1)) & 1 or (

@@ -277,7 +277,8 @@ def test_concurrent_ranks_build_the_cache_once(data_file):
         assert np.array_equal(np.asarray(w.tokens), expected_stream(DOCS))
 
 
-def test_unwritable_data_directory_tokenizes_in_memory(data_file, monkeypatch, capsys):
+def test_unwritable_data_directory_tokenizes_in_memory(data_file, monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("PYRECOVER_CACHE_DIR", str(tmp_path / "cache"))  # the fallback cache place: not the user's home
     def denied(final):
         raise PermissionError(13, "Permission denied", str(final))
 

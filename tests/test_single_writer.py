@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PY, ROOT, TINY, check_weights, csv_rows, env_for_tests, in_ci, loss_rows, run_train
+from helpers import PY, ROOT, TINY, check_weights, env_for_tests, in_ci, loss_rows, run_train, start_train, wait_rows
 
 sys.path.insert(0, str(ROOT))
 from checkpoint import layout  # noqa: E402
@@ -45,19 +45,6 @@ def _assert_same_as_reference(reference: Path, root: Path) -> None:
     assert diff.returncode == 0, diff.stdout + diff.stderr
 
 
-def _start(args: list[str], env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([PY, str(ROOT / "train.py"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env_for_tests(env), cwd=ROOT)
-
-
-def _wait_rows(csv: Path, rows: int, proc: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while csv_rows(csv) < rows:
-        assert proc.poll() is None, f"run ended (rc {proc.returncode}) before row {rows}: {proc.stderr.read()[-2000:]}"
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-
-
 def _no_traceback(*texts: str) -> None:
     for t in texts:
         assert "Traceback" not in t, t[-3000:]
@@ -76,8 +63,8 @@ def _part_run_ids(root: Path) -> dict[int, set[str]]:
 
 def test_second_launch_on_a_live_run_directory_is_refused_in_one_line(corpus, tmp_path, reference):
     args = _args(corpus, tmp_path, "--resume-from-checkpoint", "latest")
-    first = _start(args, {"PYRECOVER_STEP_SLEEP": "0.1"})
-    _wait_rows(tmp_path / "default/loss.csv", 3, first)
+    first = start_train(args, {"PYRECOVER_STEP_SLEEP": "0.1"})
+    wait_rows(tmp_path / "default/loss.csv", 3, first)
     os.kill(first.pid, signal.SIGSTOP)  # alive, holding the run directory, whatever the machine's speed
     try:
         second = run_train(args)
@@ -99,12 +86,12 @@ def test_takeover_fences_the_old_incarnation_which_changes_nothing_after(corpus,
     it stops with exit 6 without committing, retiring or deleting anything; the new one ends bitwise exact."""
     root = tmp_path / "default"
     args = _args(corpus, tmp_path, "--resume-from-checkpoint", "latest", "--checkpoint-backend", "concurrent", freq=2)
-    old = _start(args, {"PYRECOVER_STEP_SLEEP": "0.1"})
-    _wait_rows(root / "loss.csv", 5, old)
+    old = start_train(args, {"PYRECOVER_STEP_SLEEP": "0.1"})
+    wait_rows(root / "loss.csv", 5, old)
     os.kill(old.pid, signal.SIGSTOP)  # frozen mid-run (its background save may be half written), as a stale node
     try:
-        new = _start(args + ["--force-takeover"])
-        _wait_rows(root / "loss.csv", 9, new)
+        new = start_train(args + ["--force-takeover"])
+        wait_rows(root / "loss.csv", 9, new)
     finally:
         os.kill(old.pid, signal.SIGCONT)  # it wakes up while the new one trains and saves
     new_out, new_err = new.communicate(timeout=300)
@@ -155,7 +142,7 @@ def test_latest_never_jumps_back_to_an_abandoned_line(corpus, tmp_path, referenc
     """Steps 4, 8, 12 (12 also a --keep-every snapshot); resume from 4, commit 6, crash: `latest` is 6, not 12."""
     root = tmp_path / "default"
     run_train(_args(corpus, tmp_path, "--keep-every", "12"), check=True)
-    run = _start(_args(corpus, tmp_path, "--resume-from-checkpoint", "4", freq=2), {"PYRECOVER_STEP_SLEEP": "0.2"})
+    run = start_train(_args(corpus, tmp_path, "--resume-from-checkpoint", "4", freq=2), {"PYRECOVER_STEP_SLEEP": "0.2"})
     deadline = time.monotonic() + 240
     while not (root / layout.step_dir_name(6) / layout.COMMITTED).exists():
         assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-2000:]
@@ -174,7 +161,7 @@ def test_latest_never_jumps_back_to_an_abandoned_line(corpus, tmp_path, referenc
     _assert_same_as_reference(reference, root)
 
 
-def test_kill_between_the_two_renames_of_a_replacement_is_finished_at_start(corpus, tmp_path, reference):
+def test_kill_between_the_two_renames_of_a_replacement_is_finished_atstart_train(corpus, tmp_path, reference):
     """Replacing a committed step-N is rename(old -> trash), rename(new -> step-N). Killed between the two, neither
     copy is lost: the next start publishes the committed new one and removes the trash."""
     root = tmp_path / "default"
@@ -211,8 +198,8 @@ def test_out_of_inodes_at_mkdir_is_one_line_and_honours_on_save_error(corpus, tm
         pytest.skip("cannot mount a tmpfs (needs root)")
     try:
         root = mnt / "default"
-        proc = _start(_args(corpus, mnt, "--on-save-error", "continue", freq=2), {"PYRECOVER_STEP_SLEEP": "0.3"})
-        _wait_rows(root / "loss.csv", 3, proc)  # step 2 is committed
+        proc = start_train(_args(corpus, mnt, "--on-save-error", "continue", freq=2), {"PYRECOVER_STEP_SLEEP": "0.3"})
+        wait_rows(root / "loss.csv", 3, proc)  # step 2 is committed
         fill = mnt / "fill"
         fill.mkdir()
         n = 0
@@ -222,7 +209,7 @@ def test_out_of_inodes_at_mkdir_is_one_line_and_honours_on_save_error(corpus, tm
                 n += 1
         except OSError:
             pass
-        _wait_rows(root / "loss.csv", 7, proc)  # the saves of steps 4 and 6 hit the full inode table
+        wait_rows(root / "loss.csv", 7, proc)  # the saves of steps 4 and 6 hit the full inode table
         shutil.rmtree(fill)
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-3000:]
