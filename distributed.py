@@ -1,7 +1,8 @@
 """The one place that decides device, process-group backend and dtypes.
 
 Launchers: `torchrun` (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT) or `srun` directly (SLURM_PROCID/
-SLURM_NTASKS/SLURM_LOCALID, master = first host of SLURM_JOB_NODELIST). CUDA -> NCCL, one GPU per local rank;
+SLURM_NTASKS/SLURM_LOCALID, master = first host of SLURM_JOB_NODELIST). CUDA -> NCCL, one GPU per local rank
+(cuda_device_index: the local rank's among all of the node's GPUs, or the only one a task bound to one GPU sees);
 otherwise CPU -> gloo. A rank started by torchrun ends when its torchrun dies (follow_launcher).
 """
 
@@ -77,6 +78,32 @@ def _launcher_env() -> tuple[int, int, int, str] | None:
     return None
 
 
+def _local_world_size(environ=os.environ) -> int:
+    """Ranks started on this node: torchrun's LOCAL_WORLD_SIZE, else SLURM's tasks on this node ("2(x3)": 2 each)."""
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
+        m = re.match(r"\d+", environ.get(name, ""))
+        if m and int(m.group()) > 0:
+            return int(m.group())
+    return 1
+
+
+def cuda_device_index(local_rank: int, local_world_size: int, visible: int, cuda_visible_devices: str | None) -> int:
+    """The CUDA device this rank uses, among the ``visible`` ones. Every GPU of the node visible to every task
+    (torchrun, plain srun): the rank's own, ``local_rank``. One GPU bound to each task (srun --gpus-per-task=1,
+    --gpu-bind, CUDA_VISIBLE_DEVICES set per task): the task sees only its own, device 0, whatever its local rank.
+    Anything else -- several visible but fewer than the ranks on the node -- would put two ranks on one GPU or name a
+    device that is not there (invalid device ordinal): LaunchError, one line."""
+    if visible == 1:
+        return 0
+    if visible > local_rank and visible >= local_world_size:
+        return local_rank
+    shown = "unset" if cuda_visible_devices is None else repr(cuda_visible_devices)
+    raise LaunchError(
+        f"LOCAL_RANK {local_rank} of {local_world_size} ranks on this node sees {visible} CUDA device(s) "
+        f"(CUDA_VISIBLE_DEVICES {shown}): give every task one GPU (srun --gpus-per-task=1) or every task all of the "
+        f"node's GPUs (one rank per GPU), or start as many ranks per node as there are GPUs")
+
+
 def init(distributed: bool, timeout_s: float = 600.0) -> DistEnv:
     """Initialise the process group when asked; pick the device. Raises LaunchError with one clear line."""
     cuda = torch.cuda.is_available()
@@ -90,8 +117,10 @@ def init(distributed: bool, timeout_s: float = 600.0) -> DistEnv:
         )
     rank, world_size, local_rank, launcher = launch
     if cuda:
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
+        index = cuda_device_index(local_rank, max(_local_world_size(), local_rank + 1), torch.cuda.device_count(),
+                                  os.environ.get("CUDA_VISIBLE_DEVICES"))
+        torch.cuda.set_device(index)
+        device, backend = torch.device("cuda", index), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
     dist.init_process_group(
@@ -233,8 +262,8 @@ def parallelize(model: torch.nn.Module, env: DistEnv, parallel: str) -> torch.nn
             fully_shard(block)
         fully_shard(model)
         return model
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda"
-                                                     else None)
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda"
+                                                     else None)  # the device index, not local_rank: one GPU per task
 
 
 def mean_over_ranks(value: torch.Tensor, env: DistEnv) -> torch.Tensor:

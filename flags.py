@@ -7,8 +7,12 @@ effect from the resumed step and which are refused.
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import math
 import os
+import re
+import sys
 from pathlib import Path
 
 import torch
@@ -41,17 +45,53 @@ def _walltime_flag(text: str) -> float:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line like every other bad input (what, and where to read more), exit 2."""
+    """argparse whose usage errors are one line like every other bad input (what, and where to read more), exit 2.
+    While ``raise_errors`` is set (reading a --config file) an error raises _ConfigValueError instead, so the caller
+    can name the file and the key."""
+
+    raise_errors = False
 
     def error(self, message: str):
+        if self.raise_errors:
+            raise _ConfigValueError(message)
         self.exit(2, f"error: {message}; see `{self.prog} --help`\n")
+
+
+class _ConfigValueError(Exception):
+    pass
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag once (every flag has both spellings, which doubled the help): by the names build_parser
+    declares it with (``shown_names``; the reference scripts' --experiment_name, --use_flash_attention), else without
+    an --underscore_name whose --dash-name is another name of the same flag. The other spelling is still accepted. Short
+    value names (N, NUM, DIR) and no "(default: None)" / "(default: False)" -- a switch is off and an optional value
+    unset unless given -- so most help texts start on the flag's own line."""
+
+    def _format_action_invocation(self, action):
+        shown = [o for o in action.option_strings if "_" not in o or o.replace("_", "-") not in action.option_strings]
+        declared = getattr(action, "shown_names", None)
+        if declared:  # in the declared order; BooleanOptionalAction's --no-X names follow their flag's
+            shown = [*declared, *(o for o in action.option_strings if o.startswith("--no-")
+                                  and o.replace("--no-", "--", 1) in declared)]
+        if shown != action.option_strings:
+            action = copy.copy(action)
+            action.option_strings = shown
+        return super()._format_action_invocation(action)
+
+    def _get_default_metavar_for_optional(self, action):
+        return {int: "N", float: "NUM"}.get(action.type) or action.dest.rsplit("_", 1)[-1].upper()  # ..._dir: DIR
+
+    def _get_help_string(self, action):
+        return action.help if action.default in (None, False, "") else super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
+        usage="%(prog)s [--config FILE] [options]  (options below; each also as --flag_name / --flag-name)",
         description="Pre-train a Llama-style transformer with checkpointing that survives walltime, preemption and "
         "failures.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
 
     g = p
@@ -63,12 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
             body = n[2:]
             names |= {n, "--" + body.replace("_", "-"), "--" + body.replace("-", "_")}
         kw.setdefault("dest", name[2:].replace("-", "_"))
-        return g.add_argument(*sorted(names, key=lambda n: ("_" in n, n)), **kw)
+        action = g.add_argument(*sorted(names, key=lambda n: ("_" in n, n)), **kw)
+        action.shown_names = (name, *more)  # --help lists these, not the other spelling (_HelpFormatter)
+        return action
 
+    flag("--config", default=None, metavar="FILE",
+         help="read flags from a TOML (.toml), YAML (.yaml/.yml) or JSON (.json) file: keys are flag names (either "
+              "spelling, dashes optional), values as on the command line (true/false for switches); flags given on "
+              "the command line win. The resolved flags go to <run>/config.resolved.json")
     g = p.add_argument_group("data")
     flag("--dataset", default="data/train_data.parquet", help="parquet file with a `text` column")
     flag("--tokenizer-name-or-path", default=DEFAULT_TOKENIZER,
-         help="mistral-sp-32k, mistral-tekken, cl100k_base, o200k_base, or a local tokenizer.json / HF tokenizer dir")
+         help="mistral-sp-32k, mistral-tekken, cl100k_base, o200k_base, a local tokenizer.json / HF tokenizer dir, "
+              "or a Hugging Face model id (org/name[@revision]) already in the local HF cache (HF_HUB_CACHE / HF_HOME)")
     flag("--sequence-length", type=int, default=128, help="tokens per training sample")
     flag("--batch-size", type=int, default=8, help="samples per step PER RANK (global batch = batch-size x ranks)")
     flag("--seed", type=int, default=42, help="seeds model init, data order and every RNG")
@@ -178,6 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--profile", action="store_true", help="record a torch.profiler trace between the profile steps")
     flag("--profile-step-start", type=int, default=10, help="first profiled step")
     flag("--profile-step-end", type=int, default=12, help="last profiled step")
+    flag("--tracker", action="append", default=None, metavar="NAME",
+         help="also log metrics to tensorboard and/or wandb (repeat the flag or comma-separate); rank 0 only; every "
+              "step exactly once across resumes, like the loss CSV (trackers.py)")
+    flag("--tracker-dir", default=None, metavar="DIR",
+         help="where tracker files go (<DIR>/tensorboard, <DIR>/wandb); default the run folder, or "
+              "logs/<experiment_name> for an s3:// --checkpoint-dir")
+    flag("--wandb-project", default=None, metavar="NAME", help="W&B project (default: WANDB_PROJECT, else W&B's)")
+    flag("--wandb-name", default=None, metavar="NAME", help="W&B run name (default: WANDB_NAME, else the experiment name)")
     return p
 
 
@@ -333,11 +388,159 @@ def apply_resume_flags(args: argparse.Namespace, run_info: RunInfo, step: int | 
             for k in changed]
 
 
+CONFIG_SUFFIXES = (".toml", ".yaml", ".yml", ".json")
+RESOLVED_CONFIG = "config.resolved.json"  # in the run folder: every flag's final value (a valid --config file)
+
+
+def _read_config_file(path: str) -> dict:
+    """The file's top-level table; anything unreadable is a BadInput line naming the file."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in CONFIG_SUFFIXES:
+        raise BadInput(f"--config {path}: unknown file type {suffix or '(none)'}; give a .toml, .yaml/.yml or .json "
+                       "file")
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise BadInput(f"--config {path}: cannot read it ({e.strerror or e}); check the path") from None
+    try:
+        if suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(raw.decode("utf-8"))
+        elif suffix == ".json":
+            import json
+
+            data = json.loads(raw.decode("utf-8"))
+        else:
+            try:
+                import yaml
+            except ImportError:  # a dependency of the project; only a hand-made environment lacks it
+                raise BadInput(f"--config {path}: reading YAML needs PyYAML; run: pip install pyyaml (or use a "
+                               ".toml file)") from None
+            data = yaml.safe_load(raw.decode("utf-8"))
+    except BadInput:
+        raise
+    except Exception as e:  # the parsers' errors name the line; keep only their first line
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise BadInput(f"--config {path} is not valid {suffix[1:].upper()}: {first}") from None
+    if data is None:  # an empty YAML file
+        return {}
+    if not isinstance(data, dict):
+        raise BadInput(f"--config {path}: expected keys with values (flag = value), got a {type(data).__name__}")
+    return data
+
+
+def _config_tokens(action: argparse.Action, option: str, value) -> list[str]:
+    """The command-line words that give ``value`` to ``action`` (named ``option``), so argparse itself converts and
+    checks it exactly as on the command line (types, choices, custom flag parsers). A switch takes true/false; [] means
+    'as if not given'."""
+    if action.nargs == 0:  # store_true/false, BooleanOptionalAction, store_const
+        if not isinstance(value, bool):
+            raise _ConfigValueError(f"expected true or false, got {value!r}")
+        if isinstance(action, argparse.BooleanOptionalAction):  # false is explicit: --no-requeue (or --requeue)
+            other = option.replace("--no-", "--", 1) if option.startswith("--no-") else "--no-" + option[2:]
+            return [option if value else other]
+        return [option] if value else []
+    if isinstance(value, bool) and action.nargs != "?":
+        raise _ConfigValueError(f"expected a value, not {str(value).lower()}")
+    if isinstance(value, dict):
+        raise _ConfigValueError("expected a value, got a table")
+    if action.nargs == "?" and isinstance(value, bool):  # --log-loss-to-csv = true: the flag alone
+        return [option] if value else []
+    if isinstance(value, list):
+        if action.nargs in (None, "?"):
+            if isinstance(action, argparse._AppendAction):
+                return [f"{option}={v}" for v in value]
+            raise _ConfigValueError(f"expected one value, got a list {value!r}")
+        return [option, *map(str, value)]
+    # '--flag=value': a value may start with '-'
+    return [f"{option}={value}"] if action.nargs in (None, "?") else [option, str(value)]
+
+
+def load_config(parser: argparse.ArgumentParser, path: str) -> dict:
+    """dest -> value of every flag ``path`` sets. Keys are flag names in either spelling, with or without the leading
+    dashes (``learning_rate``, ``learning-rate``, ``--learning-rate``); each value goes through argparse as on the
+    command line. Unknown keys and bad values: BadInput naming the file and the key. Generic over the parser's
+    actions, so a flag added to build_parser is settable from a file with no change here."""
+    values: dict = {}
+    parser.raise_errors = True
+    try:
+        for key, value in _read_config_file(path).items():
+            option = "--" + str(key).lstrip("-")
+            action = parser._option_string_actions.get(option)  # exact names only: no prefix matching in a file
+            if action is None or action.dest in (argparse.SUPPRESS, "config", "help"):
+                why = "cannot name another config file" if action is not None and action.dest == "config" else \
+                    "is not a flag of train.py (see --help)"
+                raise BadInput(f"--config {path}: key {key!r} {why}")
+            if action.dest in values:
+                raise BadInput(f"--config {path}: key {key!r} sets --{action.dest.replace('_', '-')} a second time; "
+                               "keep one")
+            if value is None:  # YAML null / JSON null: the flag's default, as if the key were absent
+                continue
+            try:
+                words = _config_tokens(action, option, value)
+                if words:
+                    values[action.dest] = getattr(parser.parse_args(words, argparse.Namespace()), action.dest)
+            except _ConfigValueError as e:
+                message = re.sub(r"^argument [^:]*: ", "", str(e))
+                raise BadInput(f"--config {path}: key {key!r}: {message}") from None
+    finally:
+        parser.raise_errors = False
+    # The file's numbers on their own (with the defaults for the rest) pass the same checks as the command line's, so
+    # a bad one is named with its file; combinations with command-line flags are checked later, in check_flags.
+    try:
+        check_numeric_flags(parser.parse_args([], argparse.Namespace(**values)))
+    except BadInput as e:
+        raise BadInput(f"--config {path}: {e}") from None
+    return values
+
+
+# dest -> the text a flag with its own parser (--walltime "1:00:00" -> 3600.0 seconds) was given, by the last
+# parse_args: the resolved config stores that text, which parses again to the same value (3600.0 would not).
+_given_text: dict[str, tuple[str, object]] = {}
+
+
+def _remember_text(parse, dest: str):
+    @functools.wraps(parse)  # argparse names the type in its errors ("invalid _walltime_flag value")
+    def remembered(text: str):
+        value = parse(text)
+        _given_text[dest] = (text, value)
+        return value
+
+    return remembered
+
+
+def resolved_config(args: argparse.Namespace) -> bytes:
+    """Every flag's final value as JSON (command line, config file and defaults resolved): the run folder's
+    config.resolved.json, itself a valid --config file."""
+    import json
+
+    values = {}
+    for key, value in sorted(vars(args).items()):
+        text, parsed = _given_text.get(key, (None, None))
+        values[key] = text if text is not None and parsed == value else value
+    values.pop("config", None)
+    return (json.dumps(values, indent=1, default=str) + "\n").encode()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
+    _given_text.clear()
+    for action in parser._actions:
+        if callable(action.type) and action.type not in (int, float, str):
+            action.type = _remember_text(action.type, action.dest)
+    argv = sys.argv[1:] if argv is None else list(argv)
     # A value already in the namespace is not replaced by the default: None stays when --checkpoint-backend is not
-    # given, so its alias can tell an explicit backend from the default.
-    args = parser.parse_args(argv, argparse.Namespace(checkpoint_backend=None))
+    # given, so its alias can tell an explicit backend from the default. A --config file's values go in the same way:
+    # a flag on the command line overrides them, a flag given nowhere gets its default.
+    preset = argparse.Namespace(checkpoint_backend=None)
+    config = parser.parse_known_args(argv)[0].config
+    if config is not None:
+        try:
+            vars(preset).update(load_config(parser, config))
+        except BadInput as e:
+            parser.exit(2, f"error: {e}\n")
+    args = parser.parse_args(argv, preset)
     if args.use_torch_distributed_ckpt:  # the reference scripts' alias
         if args.checkpoint_backend not in (None, "dcp"):
             parser.error(f"--use-torch-distributed-ckpt means --checkpoint-backend dcp, but --checkpoint-backend "

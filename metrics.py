@@ -84,12 +84,19 @@ class Metrics:
     def __init__(self, *, writer: bool, csv_path: Path | None, resumed_step: int | None = None, start_step: int = 0,
                  total_steps: int = 0, every: int = 1, tokens_per_step: int = 0, flops_per_token: float = 0.0,
                  peak_flops: float | None = None, world_size: int = 1, imports: tuple[float, float] = (0.0, 0.0),
-                 profiler=None):
+                 profiler=None, trackers: list | None = None, tracker_dir: Path | None = None,
+                 tracker_names: tuple[str, ...] = (), save_records=None):
         self.writer, self.csv_path, self.resumed_step = writer, csv_path, resumed_step
         self.total_steps, self.every, self.world_size = total_steps, every, world_size
         self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, peak_flops
         self.imports, self.profiler = imports, profiler
         self.csv = LossCSV(csv_path, resumed_step) if (csv_path and writer) else None
+        # --tracker (trackers.py): opened on rank 0 only; every rank knows the names and folder for ensure_logged.
+        self.trackers = trackers or []
+        self.tracker_dir, self.tracker_names = tracker_dir, tuple(tracker_names)
+        self.save_records = save_records  # () -> the manager's SaveRecords: blocked/persist times for the trackers
+        self._saves_logged = 0
+        self._start_step = start_step
         self.last_loss = float("nan")
         self.last_lr: float | None = None
         self._interval: list[float] = []  # the losses since the last save (the checkpoint card's mean)
@@ -117,19 +124,65 @@ class Metrics:
             _log.info(self.recovery_line())  # what the restart cost (README: recovery)
         if self.csv:
             self.csv.row(**self._row, wall_time=f"{time.time():.3f}")
+        tok_s = self.tokens_per_step / step_s if step_s > 0 else 0.0
+        mfu = self.flops_per_token * tok_s / self.world_size / self.peak_flops if self.peak_flops else None
+        if self.trackers:
+            self._track(step, loss, lr, grad_norm, step_s, tok_s, mfu, tokens_seen)
         if self.progress is not None and (step % self.every == 0 or step == self.total_steps):
-            tok_s = self.tokens_per_step / step_s
             postfix = {"loss": f"{loss:.4f}", "tok/s": f"{tok_s:,.0f}", "step_s": f"{step_s:.3f}"}
             if grad_norm is not None:
                 postfix["gnorm"] = f"{float(grad_norm):.2f}"
-            if self.peak_flops:
-                postfix["mfu"] = f"{100 * self.flops_per_token * tok_s / self.world_size / self.peak_flops:.1f}%"
+            if mfu is not None:
+                postfix["mfu"] = f"{100 * mfu:.1f}%"
             self.progress.set_postfix(postfix, refresh=False)
             self.progress.update(step - self.progress.n)
             if self.progress.disable:  # not a terminal (batch job log): plain lines instead of a bar
-                _log.info(f"step {step}/{self.total_steps} " + " ".join(f"{k} {v}" for k, v in postfix.items()))
+                # The bar shows rate and remaining time itself; a batch log needs them spelled out.
+                plain = {"loss": postfix["loss"], "lr": f"{lr:.3e}", **{k: v for k, v in postfix.items() if k != "loss"},
+                         "eta": self._eta(step)}
+                _log.info(f"step {step}/{self.total_steps} " + " ".join(f"{k} {v}" for k, v in plain.items()))
         if self.profiler is not None:
             self.profiler.step()
+
+    def _eta(self, step: int) -> str:
+        """Remaining time at this incarnation's mean step time (its first step, with the restart's costs, included:
+        an overestimate that fades)."""
+        done = step - self._start_step
+        if done <= 0:
+            return "?"
+        left = (time.monotonic() - self._t_loop) / done * max(0, self.total_steps - step)
+        h, rem = divmod(int(left + 0.5), 3600)
+        return f"{h}:{rem // 60:02d}:{rem % 60:02d}"
+
+    def _track(self, step: int, loss: float, lr: float, grad_norm, step_s: float, tok_s: float, mfu: float | None,
+               tokens_seen: int) -> None:
+        values = {"train/loss": loss, "train/lr": lr, "train/tokens_seen": float(tokens_seen),
+                  "perf/step_s": step_s, "perf/tokens_per_s": tok_s}
+        if grad_norm is not None:
+            values["train/grad_norm"] = float(grad_norm)
+        if mfu is not None:  # known only on a GPU whose peak device_peak_flops knows
+            values["perf/mfu"] = mfu
+        values.update(self._durable_saves())
+        for tracker in self.trackers:
+            tracker.log(step, values)
+
+    def _durable_saves(self) -> dict[str, float]:
+        """A save's times, once it is durable (async: in the background): logged at the first step after that (the
+        last save's at close). Several at once (rare): the last one's."""
+        values = {}
+        records = self.save_records() if self.save_records else []
+        while self._saves_logged < len(records) and records[self._saves_logged].durable_s > 0:
+            r = records[self._saves_logged]
+            values = {"checkpoint/blocked_s": r.blocking_s, "checkpoint/persist_s": r.durable_s,
+                      "checkpoint/step": float(r.step)}
+            self._saves_logged += 1
+        return values
+
+    def note_eval(self, step: int, evaluation: dict | None) -> None:
+        """The held-out losses of the card saved at ``step`` (evaluation.py), logged at that step."""
+        if evaluation and self.trackers:
+            for tracker in self.trackers:
+                tracker.log(step, {"eval/loss": evaluation["eval_loss"], "eval/probe_loss": evaluation["probe_loss"]})
 
     def recovery_line(self) -> str:
         """What a restart cost this rank, from its process start to the end of its first step after the resume."""
@@ -150,10 +203,20 @@ class Metrics:
         """Before a save: the rows up to it are durable (a resume must never find fewer rows than its step)."""
         if self.csv:
             self.csv.sync()
+        for tracker in self.trackers:
+            tracker.sync()
 
     def ensure_logged(self, step: int) -> None:
         """A survivor's just-in-time save of ``step`` (jit.py): if rank 0 died before writing that step's row, append
         it, so the CSV still has every step exactly once."""
+        if "tensorboard" in self.tracker_names and self._row is not None and int(self._row["step"]) == step:
+            try:  # best effort: a failed repair must not cost the just-in-time save it accompanies
+                from trackers import repair_tensorboard
+
+                repair_tensorboard(self.tracker_dir / "tensorboard", step, self._row)
+            except Exception as e:  # noqa: BLE001
+                _log.info(f"jit: could not log step {step} to TensorBoard ({e}); it may lack that step",
+                          extra=EVERY_RANK)
         if self.csv_path is None or not self.csv_path.exists():
             return
         if self._row is None or int(self._row["step"]) != step:
@@ -173,5 +236,10 @@ class Metrics:
     def close(self) -> None:
         if self.profiler is not None:
             self.profiler.stop()
+        if self.trackers and self._row is not None and (saves := self._durable_saves()):
+            for tracker in self.trackers:  # the last save completed after the last step was logged
+                tracker.log(int(self._row["step"]), saves)
+        for tracker in self.trackers:
+            tracker.close()
         if self.progress is not None:
             self.progress.close()

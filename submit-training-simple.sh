@@ -3,7 +3,22 @@
 #
 #   sbatch submit-training-simple.sh [--distributed] [--exp_name=NAME] [--continue] [--use_torch_distributed_ckpt]
 #          [--timeaware-checkpointing] [--use_flash_attention] [--log-loss-to-csv] [--fused-optimizer] [--compile]
-#          [--sequence-length=N] [--profile-nsys] [-- any train.py flags]
+#          [--sequence-length=N] [--setup=FILE] [--profile-nsys] [-- any train.py flags]
+#
+# Valued options take `--opt=VALUE` or `--opt VALUE` (--exp_name, --sequence-length, --setup).
+#
+# Environment:
+#   PYTHON=/path/to/python   the interpreter that runs train.py on every node (default: `python` on PATH, after setup)
+#   PYRECOVER_SETUP=FILE     same as --setup=FILE (the option wins): a bash file sourced in this batch shell AND on every
+#                            node by each srun task right before `exec python train.py`, e.g. one of
+#                              module load cuda/12.4 python/3.11
+#                              source ~/miniforge3/etc/profile.d/conda.sh && conda activate pyrecover
+#                              source /scratch/$USER/pyrecover/.venv/bin/activate
+#                            (srun copies this shell's exported variables to the tasks, but not shell functions,
+#                            aliases or anything a module system keeps outside the environment, and a node may need its
+#                            own module/conda paths: sourcing per task is what works everywhere)
+#   PYRECOVER_DIR=REPO       where train.py is (see below); PYRECOVER_MAX_RESTARTS=N (default 100)
+#   PYRECOVER_DRY_RUN=1      print the resolved srun command line and exit 0 (no srun; checks the options and --setup)
 #
 # Edit the #SBATCH block below once for your cluster (command-line sbatch options override it, e.g.
 # `sbatch --time=12:00:00 --nodes=4 submit-training-simple.sh --distributed`). The job finds train.py in PYRECOVER_DIR,
@@ -78,11 +93,26 @@ done
     "($PWD) or the submit directory ($submit_dir): set PYRECOVER_DIR to the repository, or sbatch --chdir=REPO"
 
 distributed=0 resume=0 nsys=0
+setup=${PYRECOVER_SETUP:-}
 train_args=()
+# A valued option as `--opt=VALUE` or `--opt VALUE`: sets $value and $consumed (1 extra argument taken, or 0).
+take_value() {  # take_value OPTION-AS-GIVEN [NEXT-ARG...]
+    consumed=0
+    if [[ $1 == *=* ]]; then
+        value=${1#*=}
+    elif [[ $# -ge 2 && $2 != --* ]]; then
+        value=$2 consumed=1
+    else
+        die "option '$1' needs a value: '$1=VALUE' or '$1 VALUE'"
+    fi
+    [[ -n $value ]] || die "option '${1%%=*}' needs a non-empty value"
+}
 while [[ $# -gt 0 ]]; do
     case $1 in
         --distributed) distributed=1 ;;
-        --exp_name=* | --exp-name=*) train_args+=(--experiment_name "${1#*=}") ;;
+        --exp_name | --exp_name=* | --exp-name | --exp-name=*)
+            take_value "$@"; shift "$consumed"; train_args+=(--experiment_name "$value") ;;
+        --setup | --setup=*) take_value "$@"; shift "$consumed"; setup=$value ;;
         --continue) resume=1 ;;
         --use_torch_distributed_ckpt | --use-torch-distributed-ckpt) train_args+=(--use-torch-distributed-ckpt) ;;
         --timeaware-checkpointing | --timeaware_checkpointing) train_args+=(--timeaware-checkpointing) ;;
@@ -90,14 +120,29 @@ while [[ $# -gt 0 ]]; do
         --log-loss-to-csv | --log_loss_to_csv) train_args+=(--log-loss-to-csv) ;;
         --fused-optimizer | --fused_optimizer) train_args+=(--fused-optimizer) ;;
         --compile) train_args+=(--compile) ;;
-        --sequence-length=* | --sequence_length=*) train_args+=(--sequence-length "${1#*=}") ;;
+        --sequence-length | --sequence-length=* | --sequence_length | --sequence_length=*)
+            take_value "$@"; shift "$consumed"; train_args+=(--sequence-length "$value") ;;
         --profile-nsys | --profile_nsys) nsys=1 ;;
         --) shift; train_args+=("$@"); break ;;
-        -h | --help) sed -n '2,40p' "$REPO/submit-training-simple.sh" 2>/dev/null || sed -n '2,40p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,/^# ----/p' "$REPO/submit-training-simple.sh" 2>/dev/null || sed -n '2,/^# ----/p' "$0"; exit 0 ;;
         *) die "unknown option '$1' (train.py flags go after --, e.g. -- --training-steps 1000)" ;;
     esac
     shift
 done
+
+# The setup file: checked here, before anything runs (one line, exit 2), then sourced in this shell (so `command -v`,
+# MASTER_ADDR discovery and nsys below see the same environment) and again by every task (see the srun line).
+if [[ -n $setup ]]; then
+    [[ $setup == /* ]] || setup=$PWD/$setup  # the tasks must find it whatever their working directory
+    [[ -f $setup && -r $setup ]] || die "setup file '$setup' (--setup / PYRECOVER_SETUP) does not exist or is not" \
+        "readable: give a readable bash file (module load / conda activate / source venv), or unset it"
+    # Sourced without nounset/pipefail (conda's and many module systems' scripts read unset variables), then this
+    # script's own options again, whatever the file set (`set -e` would end this script before it reads the exit code).
+    set +uo pipefail
+    # shellcheck disable=SC1090
+    source "$setup" || die "setup file '$setup' failed (exit $?) in the batch shell: fix it (or unset PYRECOVER_SETUP)"
+    set +e -uo pipefail
+fi
 
 restart=${SLURM_RESTART_COUNT:-0}
 # A requeued run, or a later task of a job array, continues from the newest verified checkpoint.
@@ -136,9 +181,24 @@ if [[ $nsys == 1 ]]; then
              --output="profiles/${SLURM_JOB_NAME:-pyrecover}-${SLURM_JOB_ID:-0}-restart${restart}-rank%q{SLURM_PROCID}")
 fi
 
+# With a setup file each task runs `bash -c 'source SETUP && exec PYTHON train.py ...'`: sourced on its own node, then
+# `exec` replaces that bash by python: the task's process is train.py, so SLURM's SIGUSR1/SIGTERM reach it and no bash
+# in between (which SIGUSR1's default action would kill) decides the task's exit code. A setup that fails ends the
+# task with exit 2 (bad input) before python starts.
+run=("$PYTHON" "$REPO/train.py" "${train_args[@]}")
+if [[ -n $setup ]]; then
+    # shellcheck disable=SC2016  # expanded by the task's bash, not here
+    run=(bash -c 'source "$0" || { echo "submit-training-simple.sh: error: setup file $0 failed (exit $?) on $(hostname)" >&2; exit 2; }; exec "$@"'
+         "$setup" "${run[@]}")
+fi
+
 echo "$(date -u +%FT%TZ) run $((restart + 1)) of job ${SLURM_JOB_ID:-?}${SLURM_ARRAY_TASK_ID:+ (array task $SLURM_ARRAY_TASK_ID)}:" \
-     "${launch[*]} $PYTHON $REPO/train.py ${train_args[*]}"
-"${launch[@]}" "$PYTHON" "$REPO/train.py" "${train_args[@]}"
+     "${launch[*]} ${run[*]}"
+if [[ ${PYRECOVER_DRY_RUN:-0} == 1 ]]; then
+    printf 'dry run: '; printf '%q ' "${launch[@]}" "${run[@]}"; echo
+    exit 0
+fi
+"${launch[@]}" "${run[@]}"
 rc=$?
 echo "$(date -u +%FT%TZ) train.py exit code $rc"
 

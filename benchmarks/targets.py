@@ -199,12 +199,16 @@ def _train(args: list[str], env: dict) -> str:
     return proc.stdout
 
 
-def bench_training(folder: Path, steps: int, repeats: int, dataset: str) -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # --eval-windows 0: the checkpoint byte path alone; the card's held-out evaluation at each save (one forward pass)
-    # is measured on its own (README "Validation by prediction").
-    base = ["--model", "small", "--batch-size", "2", "--sequence-length", "64", "--dataset", dataset,
+def train_args(model: str, dataset: str) -> list[str]:
+    """The flags every run of sections 2 and 3 shares: a resume must repeat the flags the checkpoint recorded.
+    --eval-windows 0: the checkpoint byte path alone; the card's held-out evaluation at each save (one forward pass)
+    is measured on its own (README "Validation by prediction")."""
+    return ["--model", model, "--batch-size", "2", "--sequence-length", "64", "--dataset", dataset,
             "--logging-frequency", "1000", "--eval-windows", "0"]
+
+
+def bench_training(folder: Path, steps: int, repeats: int, base: list[str]) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     loops: dict[str, list[float]] = {k: [] for k in CONFIGS}
     for r in range(repeats):
         for name, extra in CONFIGS.items():  # alternated: every round runs every configuration once
@@ -220,7 +224,7 @@ def bench_training(folder: Path, steps: int, repeats: int, dataset: str) -> dict
     return {"loop_s": {k: med(xs) for k, xs in loops.items()}, "overhead_pct": overhead}
 
 
-def bench_resume(folder: Path, steps: int, repeats: int, dataset: str, read_mib_s: float) -> dict:
+def bench_resume(folder: Path, steps: int, repeats: int, base: list[str], read_mib_s: float) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     imports = []
     for _ in range(repeats):
@@ -235,9 +239,8 @@ def bench_resume(folder: Path, steps: int, repeats: int, dataset: str, read_mib_
         recov, loads, mib = [], [], 0.0
         for _ in range(repeats):
             drop_cache(ck)  # every restart reads a cold checkpoint, as after a node loss
-            args = ["--model", "small", "--batch-size", "2", "--sequence-length", "64", "--dataset", dataset,
-                    "--training-steps", str(steps + 1), "--checkpoint-frequency", "0", "--checkpoint-dir", str(ck),
-                    "--resume-from-checkpoint", str(steps), "--logging-frequency", "1000", *CONFIGS[name]]
+            args = base + ["--training-steps", str(steps + 1), "--checkpoint-frequency", "0", "--checkpoint-dir",
+                           str(ck), "--resume-from-checkpoint", str(steps), *CONFIGS[name]]
             text = _train(args, env)
             recov.append(float(RECOVERY.search(text).group(1)))
             m = RESUMED.search(text)
@@ -276,7 +279,7 @@ def report(res: dict, out_dir: Path, command: str) -> str:
               f"for DMA, {b['o_direct']['cpu_per_gib']['median'] / memcpy_cpu:.2f}) = {parts:.2f} x memcpy; the rest "
               f"of the measured {b['concurrent']['cpu_per_gib']['median'] / memcpy_cpu:.2f} is planning (pickling the "
               "structure), thread hand-offs and the first save's buffer allocation (the max of the spread)."]
-    lines += ["", "## 2. Training overhead: `small`, 2 x 64 tokens, a checkpoint every 10 steps", "",
+    lines += ["", f"## 2. Training overhead: `{res['model']}`, 2 x 64 tokens, a checkpoint every 10 steps", "",
               "| config | loop s | overhead % vs none |", "|---|---:|---:|",
               f"| none | {show(t['loop_s']['none'], '{:.1f}')} | – |"]
     for k, v in t["overhead_pct"].items():
@@ -311,11 +314,11 @@ def report(res: dict, out_dir: Path, command: str) -> str:
     text = "\n".join(lines) + "\n"
     (out_dir / "bench_targets.md").write_text(text)
     (out_dir / "bench_targets.json").write_text(json.dumps(res, indent=1))
-    _plot(b, t, out_dir / "bench_targets.png")
+    _plot(b, t, out_dir / "bench_targets.png", res["model"])
     return text
 
 
-def _plot(b: dict, t: dict, path: Path) -> None:
+def _plot(b: dict, t: dict, path: Path, model: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -335,7 +338,7 @@ def _plot(b: dict, t: dict, path: Path) -> None:
                  [t["overhead_pct"][k]["max"] - t["overhead_pct"][k]["median"] for k in names]], color="tab:green")
     a2.axhline(3, color="tab:red", ls="--", label="target: 3 %")
     a2.set_ylabel("training loop overhead % (checkpoint every 10 steps)")
-    a2.set_title("Training overhead, `small`, 2 CPU cores")
+    a2.set_title(f"Training overhead, `{model}`, {os.cpu_count()} CPU cores")
     a2.legend()
     for ax in (a1, a2):
         ax.tick_params(axis="x", rotation=20)
@@ -343,7 +346,7 @@ def _plot(b: dict, t: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=1.0, help="size of the state of section 1 (default 1 GiB)")
     p.add_argument("--repeats", type=int, default=3)
@@ -351,7 +354,13 @@ def main() -> int:
     p.add_argument("--dataset", default=str(ROOT / "data" / "train_data.parquet"))
     p.add_argument("--dir", default=str(ROOT / "checkpoints"), help="where to write (a disk, not tmpfs)")
     p.add_argument("--out", default=str(ROOT / "results"))
-    args = p.parse_args()
+    p.add_argument("--model", default="small", help="the preset of sections 2 and 3 (default small)")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run of every section (the suite runs it): 32 MiB, 1 repeat, 12 steps, model tiny; "
+                        "its figures mean nothing")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.gib, args.repeats, args.steps, args.model = 1 / 32, 1, 12, "tiny"
     t0 = time.time()
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     out_dir = Path(args.out)
@@ -359,13 +368,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-targets-") as tmp:
         folder = Path(tmp)
         fs = subprocess.run(["df", "-T", str(folder)], capture_output=True, text=True).stdout.splitlines()[-1].split()
-        res = {"date": time.strftime("%Y-%m-%d %H:%M"), "repeats": args.repeats, "fs": f"{fs[0]} {fs[1]}"}
+        res = {"date": time.strftime("%Y-%m-%d %H:%M"), "repeats": args.repeats, "model": args.model,
+               "fs": f"{fs[0]} {fs[1]}"}
         print("1/3 bytes ...", flush=True)
         res["bytes"] = bench_bytes(folder, args.gib, args.repeats)
         print("2/3 training overhead ...", flush=True)
-        res["training"] = bench_training(folder, args.steps, args.repeats, args.dataset)
+        base = train_args(args.model, args.dataset)
+        res["training"] = bench_training(folder, args.steps, args.repeats, base)
         print("3/3 resume ...", flush=True)
-        res["resume"] = bench_resume(folder, args.steps, args.repeats, args.dataset,
+        res["resume"] = bench_resume(folder, args.steps, args.repeats, base,
                                      res["bytes"]["o_direct_read"]["mib_s"]["median"])
     goodput = out_dir / "goodput.json"
     if goodput.exists():

@@ -26,9 +26,24 @@ class RankFilter(logging.Filter):
         return self.rank == 0 or getattr(record, "every_rank", False)
 
 
+class BarAwareHandler(logging.StreamHandler):
+    """While a tqdm progress bar is on the terminal (metrics.py), a line goes through ``tqdm.write``: it clears the
+    bar, prints the line, redraws the bar -- the bar never breaks mid-line. Without a bar: a plain stream write."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm = sys.modules.get("tqdm")  # not imported: no bar can be showing
+        bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None) if tqdm else None
+        if not bars or all(getattr(b, "disable", True) for b in list(bars)):
+            return super().emit(record)
+        try:
+            tqdm.tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
+
+
 def setup(rank: int = 0, stream: TextIO | None = None) -> None:
     """INFO and up, the bare message, one write per line to ``stream`` (stdout), filtered by ``rank``."""
-    handler = logging.StreamHandler(stream or sys.stdout)
+    handler = BarAwareHandler(stream or sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
     handler.addFilter(RankFilter(rank))
     for name in ROOTS:

@@ -261,7 +261,7 @@ def assert_resumed_and_finished(job: Job, out: str, stop: int, reference: Path, 
     assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
     first_run = [int(r["step"]) for r in rows if r["restart"] == "0"]
     assert first_run == list(range(1, stop + 1))
-    assert {r["restart"] for r in rows} == {str(i) for i in range(runs)}
+    assert {r["restart"] for r in rows} == {str(i) for i in range(runs)}, out[-4000:]
     assert loss_rows(job.csv) == loss_rows(reference / "loss.csv")
     cmp = check_weights(reference, job.run_dir, "--tolerance", "0", "--optimizer")
     assert cmp.returncode == 0 and "bitwise" in cmp.stdout, cmp.stdout + cmp.stderr

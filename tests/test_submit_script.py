@@ -1,0 +1,120 @@
+"""submit-training-simple.sh's own options, without SLURM: PYRECOVER_DRY_RUN=1 runs the real script up to the srun line
+and prints it (shell-quoted) instead of running it. Valued options take `--opt=VALUE` and `--opt VALUE`; the setup hook
+(--setup / PYRECOVER_SETUP) is checked before srun and wraps each task as `bash -c 'source SETUP && exec ...'`.
+That the hook really runs on every node of a job is tests/slurm/test_setup_hook.py."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import ROOT  # noqa: E402
+
+SCRIPT = ROOT / "submit-training-simple.sh"
+
+
+def dry_run(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PYRECOVER_"))}
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=30, cwd=cwd or ROOT,
+                          env={**base, "PYRECOVER_DRY_RUN": "1", "PYTHON": "python3", **(env or {})})
+
+
+def command(proc: subprocess.CompletedProcess) -> list[str]:
+    assert proc.returncode == 0, proc.stderr
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith("dry run: ")]
+    return shlex.split(line.removeprefix("dry run: "))
+
+
+def after(argv: list[str], script: str = "train.py") -> list[str]:
+    i = next(i for i, a in enumerate(argv) if a.endswith("/" + script))
+    return argv[i + 1:]
+
+
+@pytest.mark.parametrize("form", ["equals", "space"])
+def test_valued_options_take_both_forms(form):
+    def opt(name, value):
+        return [f"{name}={value}"] if form == "equals" else [name, value]
+    argv = command(dry_run(*opt("--exp_name", "run1"), "--continue", *opt("--sequence-length", "64"),
+                           "--", "--training-steps", "3"))
+    assert after(argv) == ["--experiment_name", "run1", "--sequence-length", "64", "--training-steps", "3",
+                           "--resume-from-checkpoint", "latest", "--max-restarts", "100"], argv
+
+
+@pytest.mark.parametrize("args", [["--exp_name"], ["--exp_name", "--continue"], ["--sequence-length="], ["--setup"]])
+def test_a_valued_option_without_its_value_is_one_line_and_exit_2(args):
+    proc = dry_run(*args)
+    assert proc.returncode == 2, proc
+    assert proc.stderr.count("\n") == 1 and "needs" in proc.stderr and args[0].split("=")[0] in proc.stderr, proc.stderr
+    assert "dry run" not in proc.stdout
+
+
+@pytest.mark.parametrize("how", ["option", "env"])
+def test_setup_file_is_sourced_here_and_by_each_task_before_exec(tmp_path, how):
+    setup = tmp_path / "setup.sh"
+    setup.write_text('echo "setup sourced in $$"\nexport PYRECOVER_TEST_HOOK=1\n')
+    args, env = (["--setup", "setup.sh"], {}) if how == "option" else ([], {"PYRECOVER_SETUP": "setup.sh"})
+    proc = dry_run(*args, "--exp_name=x", env=env, cwd=tmp_path)  # relative path: made absolute for the tasks
+    assert "setup sourced in" in proc.stdout  # the batch shell sourced it too
+    argv = command(proc)
+    i = argv.index("bash")
+    assert argv[i + 1] == "-c" and "exec \"$@\"" in argv[i + 2] and argv[i + 3] == str(setup), argv
+    assert argv[i + 4:i + 6] == ["python3", f"{ROOT}/train.py"], argv
+
+
+def test_the_task_wrapper_sources_then_execs_python_itself(tmp_path):
+    """The wrapper the script puts after srun, run here as the task would: the setup's export reaches python, and
+    python is the same process (exec: SLURM's signals reach train.py, its exit code is the task's)."""
+    setup = tmp_path / "setup.sh"
+    setup.write_text("export PYRECOVER_TEST_HOOK=from-setup\n")
+    argv = command(dry_run("--setup", str(setup)))
+    i = argv.index("bash")
+    probe = "import os, sys; print(os.environ['PYRECOVER_TEST_HOOK'], os.getpid()); sys.exit(4)"
+    proc = subprocess.Popen([*argv[i:i + 4], sys.executable, "-c", probe], stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=30)
+    value, pid = out.split()
+    assert value == "from-setup" and int(pid) == proc.pid and proc.returncode == 4, (out, proc.returncode)
+    setup.write_text("false\n")  # a setup that fails: exit 2 (bad input), python never starts
+    failed = subprocess.run([*argv[i:i + 4], sys.executable, "-c", "print('ran')"], capture_output=True, text=True)
+    assert failed.returncode == 2 and "ran" not in failed.stdout and "setup file" in failed.stderr, failed
+
+
+@pytest.mark.parametrize("how", ["option", "env"])
+def test_missing_setup_file_is_one_line_and_exit_2_before_srun(tmp_path, how):
+    missing = tmp_path / "nope.sh"
+    args, env = ([f"--setup={missing}"], {}) if how == "option" else ([], {"PYRECOVER_SETUP": str(missing)})
+    proc = dry_run(*args, env=env)
+    assert proc.returncode == 2, proc
+    assert proc.stderr.count("\n") == 1 and str(missing) in proc.stderr and "not readable" in proc.stderr, proc.stderr
+    assert "srun" not in proc.stdout
+
+
+def test_header_documents_python_and_the_setup_hook():
+    header = SCRIPT.read_text().split("#SBATCH", 1)[0]
+    for needle in ("PYTHON=", "PYRECOVER_SETUP=", "--setup=FILE", "module load", "conda activate", "/bin/activate",
+                   "PYRECOVER_DRY_RUN"):
+        assert needle in header, needle
+
+
+def test_setup_file_that_reads_unset_variables_or_sets_e_is_fine_and_a_failing_one_is_exit_2(tmp_path):
+    """conda's and module systems' scripts read unset variables: sourced without the script's `set -u`; options the file
+    sets (`set -e`) do not leak into the script. A file that fails in the batch shell: one line, exit 2, no srun."""
+    setup = tmp_path / "setup.sh"
+    setup.write_text('echo "[$PYRECOVER_SURELY_UNSET_VAR]"\nset -e\n')
+    proc = dry_run("--setup", str(setup))
+    assert proc.returncode == 0 and "[]" in proc.stdout and proc.stderr == "", proc
+    setup.write_text("return 3\n")
+    proc = dry_run("--setup", str(setup))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "failed (exit 3)" in proc.stderr, proc
+    assert "srun" not in proc.stdout
+
+
+def test_help_is_the_header():
+    proc = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and "PYRECOVER_SETUP=FILE" in proc.stdout, proc
+    assert "#SBATCH --job-name" not in proc.stdout, proc.stdout
