@@ -153,7 +153,9 @@ def drive_partition(cluster, base: Path, corpus: str) -> dict:
     requeued job (on the two other nodes of pyr-node[7-9]) has taken the run directory over and committed a checkpoint.
     Then the new incarnation is frozen and the stale rank woken: its collective times out, --jit-checkpoint makes it
     try to save -- it must be fenced (exit 6) and leave the run directory exactly as it was."""
-    job = submit(cluster, base, "partition", corpus, "--exclude=pyr-node[1-6]", "--time=5", sleep=0.3, wrap=True,
+    # --time=10: the requeued incarnation sits frozen for up to the stale rank's collective timeout; with 5 minutes a
+    # loaded machine let it reach its own USR1 warning, and a third incarnation broke the two-runs accounting below.
+    job = submit(cluster, base, "partition", corpus, "--exclude=pyr-node[1-6]", "--time=10", sleep=0.3, wrap=True,
                  train_args=("--jit-checkpoint", "--pg-timeout-seconds", "60"))
     job.wait_rows(KILL_AT_ROW, timeout=600)
     nodes = nodes_of(cluster, job)
