@@ -11,7 +11,7 @@ STEPS    ?= 300
 K        ?= 20
 PYTEST_ARGS ?=
 
-.PHONY: help install install-dev data train test test-fast faults bench bench-detail bench-mirror goodput clean distclean
+.PHONY: help install install-dev data train test test-fast faults bench bench-detail bench-mirror bench-data goodput clean distclean
 
 help:
 	@echo "make install    .venv with what training needs (pip install -e .; CPU: torch 2.13.0); make install-dev adds .[dev]"
@@ -22,6 +22,7 @@ help:
 	@echo "make bench      the byte path against the machine's limits (CPU/GiB vs memcpy, vs O_DIRECT, training overhead vs DCP, resume): results/bench_targets.{md,json,png}"
 	@echo "make bench-detail  per-backend save/load/burst/throughput tables: results/checkpoint_bench.{md,png}"
 	@echo "make bench-mirror  training stall: checkpoints straight to S3 (SeaweedFS) vs local disk + --mirror-dir s3://: results/mirror.{md,json}; ARGS=\"--repeats N --steps N --every N\""
+	@echo "make bench-data sharded data: tokenization tokens/s with 1 and 2 workers vs the tokenizer's own, loader memory at 10x the corpus: results/bench_data.{md,json}; ARGS=\"--quick\""
 	@echo "make goodput    goodput under a seeded kill schedule (MTBF 40 s) per checkpoint configuration: results/goodput.{md,json,png}; ARGS=\"--mtbf S --seed N --steps N --configs a,b --quick\""
 
 $(VENV)/.installed: pyproject.toml
@@ -83,6 +84,9 @@ bench: $(DATA)
 bench-detail: $(DATA) $(VENV)/.installed-dev
 	$(PY) -m benchmarks.backends
 	$(PY) -m benchmarks.dcp_s3
+
+bench-data: $(DATA)
+	$(PY) -m benchmarks.data $(ARGS)
 
 goodput: $(DATA)
 	$(PY) -m benchmarks.goodput $(ARGS)

@@ -5,6 +5,8 @@ Public API (used by train.py)::
     DataError, DEFAULT_TOKENIZER, TOKENIZER_NAMES
     load_tokenizer(name_or_path) -> Tokenizer          (name, vocab_size, eos_id, encode_batch, decode)
     load_token_windows(parquet_path, tokenizer, seq_len) -> TokenWindows
+    is_sharded(spec), load_sharded_windows(folder_or_glob, tokenizer, seq_len, ...) -> ShardedWindows
+    hold_out(windows, n), token_parts(windows), fingerprint(*arrays)
     TrainLoader(windows, batch_size, rank, world_size, seed)
         .next_batch() -> (inputs [B, T], targets [B, T]);  .state_dict() / .load_state_dict(sd)
 
@@ -21,11 +23,14 @@ cannot take a cache (read-only, no permission, full), it goes to the per-user ca
 $PYRECOVER_CACHE_DIR, else $XDG_CACHE_HOME/pyrecover/tokens, else ~/.cache/pyrecover/tokens; the name also keys the
 data's absolute path); where no folder can, the tokens are made in memory at every start.
 
+Sharded data (``--dataset`` a folder of ``*.parquet`` or a glob): one such cache per shard, built by the ranks
+together, and windows per shard behind one index space (``ShardedWindows``; see its section below).
+
 Loader order: epoch ``e`` uses ``torch.randperm(num_windows)`` from a generator seeded by (seed, e). Global batch
 ``g`` is ``perm[pos : pos + batch_size * world_size]`` and rank ``r`` takes ``[r*batch_size : (r+1)*batch_size]`` of
 it. ``position`` in the state dict counts GLOBAL samples, so a run may resume at another world size.
 
-CLI: ``python dataset.py build-default | prepare | bench-tokenizer`` (see ``--help``).
+CLI: ``python dataset.py build-default | prepare [--workers N] | bench-tokenizer`` (see ``--help``).
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ import importlib.metadata
 import importlib.util
 import io
 import json
+import mmap
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -49,9 +56,10 @@ import numpy as np
 import torch
 import xxhash
 
+from checkpoint import knobs
 from checkpoint.fsio import atomic_file  # the one implementation of tmp + fsync + rename + fsync-dir
 from tokenizer import (DEFAULT_TOKENIZER, TOKENIZER_NAMES, DataError, Tokenizer, brief_error, load_tokenizer,
-                       num_threads, package_dir, sha16)
+                       num_threads, package_dir, set_num_threads, sha16)
 
 __all__ = [
     "DataError",
@@ -61,6 +69,11 @@ __all__ = [
     "load_tokenizer",
     "TokenWindows",
     "load_token_windows",
+    "ShardedWindows",
+    "is_sharded",
+    "list_shards",
+    "load_sharded_windows",
+    "token_parts",
     "TrainLoader",
     "default_corpus_documents",
     "build_default_dataset",
@@ -122,7 +135,7 @@ def _open_parquet(path: Path):
         raise DataError(f"data file {path} does not exist; pass --dataset PATH or create the default one with: "
                         f"python dataset.py build-default --output {path}")
     if path.is_dir():
-        raise DataError(f"data path {path} is a directory; pass a single .parquet file")
+        raise DataError(f"data path {path} is a directory; pass it as --dataset to train on its *.parquet shards")
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError, ValueError) as e:
@@ -245,7 +258,21 @@ def _open_cache(cache: Path, tokenizer: Tokenizer) -> tuple[np.ndarray | None, s
         return None, "checksum mismatch"
     if int(arr[-1]) != tokenizer.eos_id:  # checksummed, but made by another tokenizer of this name
         return None, "does not end with EOS"
+    _unmap_pages(arr)
     return arr, ""
+
+
+def _unmap_pages(arr: np.ndarray) -> None:
+    """Drop the pages the checksum pass mapped in, so that a process's resident memory is what it reads since, not the
+    whole corpus (they stay in the page cache; a later read maps them back), and declare the access random: the loader
+    reads windows in a shuffled order, and read-ahead from disk around each one would be wasted I/O."""
+    mm = getattr(arr, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise"):
+        return
+    for advice in ("MADV_DONTNEED", "MADV_RANDOM"):
+        if hasattr(mmap, advice):
+            with contextlib.suppress(OSError, ValueError):
+                mm.madvise(getattr(mmap, advice))
 
 
 def _build_cache(path: Path, pf, tokenizer: Tokenizer, cache: Path, verbose: bool, note: str = "") -> None:
@@ -254,6 +281,8 @@ def _build_cache(path: Path, pf, tokenizer: Tokenizer, cache: Path, verbose: boo
     with atomic_file(cache) as f:
         f.write(b"\0" * _NPY_HEADER_LEN)
         docs, ntok = _tokenize_to(pf, tokenizer, f, digest)
+        if delay := knobs.tokenize_delay_s():
+            time.sleep(delay)  # a slow tokenizer: the SIGKILL tests land in the middle of a cache write
         if ntok == 0:
             raise _no_tokens_error(path)  # nothing is committed: the temp file is removed
         f.write(_CHECKSUM_MAGIC + digest.digest())
@@ -283,17 +312,37 @@ def _no_tokens_error(path: Path) -> DataError:
 
 
 def load_tokens(parquet_path: str | os.PathLike, tokenizer: Tokenizer, verbose: bool = True,
-                cache_dir: str | os.PathLike | None = None) -> np.ndarray:
+                cache_dir: str | os.PathLike | None = None, allow_memory: bool = True) -> np.ndarray:
     """The whole token stream of a parquet file (uint32, memory-mapped from the cache; built on first use).
 
     The cache is beside the data; where that folder cannot take it, in the per-user cache folder (one line says so);
     where no folder can, the tokens are made in memory (one line naming the folders tried). ``cache_dir``: the one
-    folder to cache in instead. Safe for many ranks starting at once: a file lock lets one of them tokenize while the
-    others wait, and a cache only ever appears complete (temp file, fsync, rename), so even without working locks
-    nothing breaks.
+    folder to cache in instead. ``allow_memory`` False (sharded data: memory would grow with the corpus): no writable
+    folder is a DataError naming the folders tried. Safe for many ranks starting at once: a file lock lets one of them
+    tokenize while the others wait, and a cache only ever appears complete (temp file, fsync, rename), so even without
+    working locks nothing breaks.
     """
     path = Path(parquet_path)
     pf = _open_parquet(path)
+    with _readable(path):
+        return _load_tokens(path, pf, tokenizer, verbose, cache_dir, allow_memory)
+
+
+@contextlib.contextmanager
+def _readable(path: Path) -> Iterator[None]:
+    """A parquet file whose footer reads but whose pages do not (damaged in the middle): one line naming it."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except (pa.ArrowException, OSError) as e:
+        if isinstance(e, OSError) and e.errno is not None:  # the file system's (a cache write): not the data's fault
+            raise
+        raise DataError(f"{path} is corrupt: its 'text' column cannot be read ({brief_error(e)}); replace or remove "
+                        "that file") from None
+
+
+def _load_tokens(path: Path, pf, tokenizer: Tokenizer, verbose: bool, cache_dir, allow_memory: bool) -> np.ndarray:
     places = cache_places(path, tokenizer, cache_dir)
     for cache in places:
         tokens, _ = _open_cache(cache, tokenizer)
@@ -308,8 +357,14 @@ def load_tokens(parquet_path: str | os.PathLike, tokenizer: Tokenizer, verbose: 
             if e.errno not in _CANNOT_WRITE:
                 raise
             refused.append((cache.parent, e.strerror or str(e)))
+    tried = " or ".join(f"{folder} ({why})" for folder, why in refused)
+    if not allow_memory:
+        tried_dirs = {folder for folder, _ in refused}
+        suggest = next((d for d in (user_cache_folder(), Path(tempfile.gettempdir()) / "pyrecover-tokens")
+                        if d not in tried_dirs), None)
+        raise DataError(f"cannot write the token cache of {path} in {tried}; pass a writable folder as "
+                        f"--data-cache-dir DIR{f' (e.g. --data-cache-dir {suggest})' if suggest else ''}")
     if verbose:
-        tried = " or ".join(f"{folder} ({why})" for folder, why in refused)
         _log(f"cannot write a token cache in {tried}; tokenizing {path} in memory, again at every start: set "
              "PYRECOVER_CACHE_DIR to a writable folder to keep the tokens")
     tokens = _tokens_in_memory(pf, tokenizer)
@@ -323,9 +378,13 @@ def _cached(path: Path, pf, tokenizer: Tokenizer, cache: Path, verbose: bool, no
     cannot take it."""
     cache.parent.mkdir(parents=True, exist_ok=True)  # the per-user cache folder, on first use
     lock = cache.with_name(cache.name[: -len(".npy")] + ".lock")
-    with _file_lock(lock):
+    with _file_lock(lock) as locked:
         try:
             tokens, why = _open_cache(cache, tokenizer)  # another rank may have built it meanwhile
+            if tokens is None and locked:  # no one else writes this cache now: a temp file of it is a killed writer's
+                for stale in cache.parent.glob(f".{glob.escape(cache.name)}.tmp-*"):
+                    with contextlib.suppress(OSError):
+                        stale.unlink()
             if tokens is None:
                 if why != "missing" and verbose:
                     _log(f"token cache {cache} is corrupt ({why}); rebuilding it")
@@ -396,18 +455,42 @@ def load_token_windows(parquet_path: str | os.PathLike, tokenizer: Tokenizer, se
     return windows
 
 
-def hold_out(windows: TokenWindows, n: int) -> tuple[TokenWindows, TokenWindows | None]:
+def hold_out(windows, n: int):
     """Split off the last ``n`` windows as an evaluation set that training never sees (not even the one token a training
-    window's target would share with it). Returns (training windows, evaluation windows or None for n == 0)."""
+    window's target would share with it). Returns (training windows, evaluation windows or None for n == 0). Sharded
+    data: the windows come off the last shards (a whole shard, then part of the one before)."""
     n = int(n)
     if n <= 0:
         return windows, None
     if n >= len(windows):
         raise DataError(f"--eval-windows {n} holds out all {len(windows)} windows of {windows.source}; use fewer "
                         "(e.g. 8) or --eval-windows 0")
+    if isinstance(windows, ShardedWindows):
+        train, held, left = list(windows.parts), [], n
+        while left:
+            last = train.pop()
+            if len(last) <= left:
+                held.insert(0, last)
+                left -= len(last)
+            else:
+                keep, off = hold_out(last, left)
+                train.append(keep)
+                held.insert(0, off)
+                left = 0
+        return (ShardedWindows(train, windows.seq_len, windows.source, windows.shards),
+                ShardedWindows(held, windows.seq_len, f"{windows.source} (held out)"))
     cut = (len(windows) - n) * windows.seq_len  # first token of the first held-out window
     train = TokenWindows(windows.tokens[:cut], windows.seq_len, source=windows.source)
     return train, TokenWindows(windows.tokens[cut:], windows.seq_len, source=f"{windows.source} (held out)")
+
+
+def token_parts(windows) -> list[np.ndarray]:
+    """The token arrays ``windows`` reads, in order (one per shard), e.g. for ``fingerprint``."""
+    if windows is None:
+        return []
+    if isinstance(windows, ShardedWindows):
+        return [p.tokens for p in windows.parts]
+    return [windows.tokens]
 
 
 def fingerprint(*parts: np.ndarray, budget: int = 256 << 20) -> str:
@@ -427,6 +510,219 @@ def fingerprint(*parts: np.ndarray, budget: int = 256 << 20) -> str:
         for start, stop in spans:
             h.update(memoryview(np.ascontiguousarray(p[start:stop])).cast("B"))
     return f"{'xxh3' if total <= budget else 'xxh3-sampled'}:{h.hexdigest()}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sharded data: a folder or glob of parquet files
+# ---------------------------------------------------------------------------------------------------------------------
+#
+# Each shard has its own token cache (the single-file cache above: same key, checksum trailer, lock and fallback
+# folders) and its own windows; a window never straddles two shards (a shard's tail that does not fill a window is
+# dropped, as for one file). Global window i is local window i - start[k] of shard k, start = cumulative window
+# counts, so the loader sees one index space and its order, state dict and resume are those of a single file. Every
+# shard is memory-mapped: what a process holds beyond the page cache is the offsets array, not the corpus.
+
+
+def is_sharded(spec: str | os.PathLike) -> bool:
+    """Whether ``--dataset`` names several shards: a folder, or a glob pattern (quoted on the command line)."""
+    return glob.has_magic(str(spec)) or Path(spec).is_dir()
+
+
+def list_shards(spec: str | os.PathLike) -> tuple[Path, list[Path]]:
+    """(base folder, shard paths sorted by their name under it) of a folder (its ``*.parquet``) or a glob."""
+    spec = str(spec)
+    if glob.has_magic(spec):
+        base = Path(spec)
+        while glob.has_magic(str(base)):
+            base = base.parent
+        paths = [Path(p) for p in glob.glob(spec) if Path(p).is_file()]
+        if not paths:
+            raise DataError(f"--dataset {spec} matches no file; check the pattern (quote it so the shell leaves it "
+                            "alone)")
+    else:
+        base = Path(spec)
+        paths = [p for p in base.glob("*.parquet") if p.is_file()]
+        if not paths:
+            raise DataError(f"data folder {base} has no *.parquet files; put the parquet shards there or pass one file")
+    return base, sorted(paths, key=lambda p: shard_name(base, p))
+
+
+def shard_name(base: Path, path: Path) -> str:
+    return Path(os.path.relpath(path, base)).as_posix()
+
+
+def shard_records(base: Path, paths: list[Path]) -> list[list]:
+    """[[name, size], ...]: what a checkpoint's card records of the shards it was trained on."""
+    return [[shard_name(base, p), p.stat().st_size] for p in paths]
+
+
+def pin_shards(spec: str, base: Path, paths: list[Path], recorded: list) -> tuple[list[Path], str | None]:
+    """The recorded shards (a resumed run reads the data it was trained on), and a note naming those added since.
+    A recorded shard that is gone or has another size: DataError."""
+    have = {shard_name(base, p): p for p in paths}
+    pinned = []
+    for name, size in recorded:
+        path = have.get(name)
+        if path is None:
+            raise DataError(f"shard {name} the checkpoint was trained on is no longer in --dataset {spec}; put it "
+                            "back, or start a new --experiment_name to train on the shards there now")
+        if path.stat().st_size != size:
+            raise DataError(f"shard {path} changed since the checkpoint was trained on it ({size} bytes then, "
+                            f"{path.stat().st_size} now); put the original back, or start a new --experiment_name")
+        pinned.append(path)
+    added = sorted(set(have) - {name for name, _ in recorded})
+    note = None
+    if added:
+        note = (f"resume: {len(added)} shard(s) added to {spec} since the checkpoint are ignored (first: {added[0]}); "
+                f"this run keeps to its {len(recorded)} shards, a new --experiment_name trains on all")
+    return pinned, note
+
+
+def _check_shard(path: Path) -> None:
+    """What can be seen without tokenizing (the same on every rank): readable parquet, a text column, rows."""
+    pf = _open_parquet(path)
+    if pf.metadata.num_rows == 0:
+        raise _no_tokens_error(path)
+
+
+def prepare_shards(paths: Sequence[Path], tokenizer: Tokenizer, cache_dir: str | os.PathLike | None = None,
+                   rank: int = 0, world_size: int = 1, verbose: bool = True) -> None:
+    """Build the token caches of shards ``rank, rank + world_size, ...`` (an existing valid cache is kept)."""
+    for i in range(int(rank), len(paths), int(world_size)):
+        load_tokens(paths[i], tokenizer, verbose=verbose, cache_dir=cache_dir, allow_memory=False)
+
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _worker_start(tokenizer_name: str, threads: int) -> None:
+    global _worker_tokenizer
+    set_num_threads(threads)
+    _worker_tokenizer = load_tokenizer(tokenizer_name)
+
+
+def _worker_prepare(job: tuple[str, str | None]) -> tuple[str, int, str]:
+    """(shard, tokens, "") or (shard, 0, error): a DataError crosses the process boundary as its message."""
+    path, cache_dir = job
+    try:
+        tokens = load_tokens(path, _worker_tokenizer, verbose=False, cache_dir=cache_dir, allow_memory=False)
+    except DataError as e:
+        return path, 0, str(e)
+    except OSError as e:
+        return path, 0, f"cannot tokenize {path}: {brief_error(e)}"
+    return path, len(tokens), ""
+
+
+def prepare_with_workers(paths: Sequence[Path], tokenizer_name: str, workers: int,
+                         cache_dir: str | os.PathLike | None = None) -> int:
+    """Build every shard's token cache with ``workers`` local processes (worker_context), each using its share of the
+    CPUs. Returns the total number of tokens; the first error: DataError."""
+    workers = max(1, min(int(workers), len(paths)))
+    threads = max(1, num_threads() // workers)
+    # largest first: the workers finish together even when the shards' sizes differ a lot
+    jobs = [(str(p), None if cache_dir is None else str(cache_dir))
+            for p in sorted(paths, key=lambda p: p.stat().st_size, reverse=True)]
+    if workers == 1:
+        _worker_start(tokenizer_name, threads)
+        results = map(_worker_prepare, jobs)
+        return _sum_prepared(results)
+    with worker_context().Pool(workers, _worker_start, (tokenizer_name, threads)) as pool:
+        return _sum_prepared(pool.imap_unordered(_worker_prepare, jobs))
+
+
+def worker_context():
+    """Processes forked from a clean server that imported this module once (forkserver), so N workers cost one import,
+    not N; spawned where there is no forkserver. Never a plain fork: the parent may hold tokenizer or torch threads."""
+    import multiprocessing
+
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["dataset"])
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+def _sum_prepared(results) -> int:
+    total = 0
+    for _path, tokens, error in results:
+        if error:
+            raise DataError(error)
+        total += tokens
+    return total
+
+
+class ShardedWindows:
+    """Windows of seq_len + 1 tokens over several shards, each a TokenWindows; see the section comment."""
+
+    def __init__(self, parts: list[TokenWindows], seq_len: int, source: str, shards: list | None = None):
+        self.parts = list(parts)
+        self.seq_len = int(seq_len)
+        self.source = source
+        self.shards = shards  # [[name, size], ...] recorded in the checkpoint's card
+        counts = np.array([len(p) for p in self.parts], dtype=np.int64)
+        self._start = np.concatenate([np.zeros(1, np.int64), np.cumsum(counts)])
+        self._n = int(self._start[-1])
+        self.num_tokens = sum(p.num_tokens for p in self.parts)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.batch([i])[0]
+
+    def batch(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if len(idx) and (idx.min() < 0 or idx.max() >= self._n):
+            raise IndexError(f"window index out of range for {self._n} windows")
+        shard = np.searchsorted(self._start, idx, side="right") - 1
+        out = torch.empty((len(idx), self.seq_len + 1), dtype=torch.int64)
+        for k in np.unique(shard):
+            rows = np.nonzero(shard == k)[0]
+            out[torch.from_numpy(rows)] = self.parts[k].batch(idx[rows] - self._start[k])
+        return out
+
+    def __repr__(self) -> str:
+        return (f"ShardedWindows({self._n} x {self.seq_len + 1} tokens from {self.num_tokens} tokens in "
+                f"{len(self.parts)} shards of {self.source})")
+
+
+def load_sharded_windows(spec: str | os.PathLike, tokenizer: Tokenizer, seq_len: int, *,
+                         cache_dir: str | os.PathLike | None = None, rank: int = 0, world_size: int = 1,
+                         exchange=None, recorded: list | None = None, verbose: bool = True) -> ShardedWindows:
+    """The windows of every shard of a folder or glob, their caches built by the ranks together.
+
+    Every rank checks every shard's header (no collective before a refusal every rank makes alike), builds the caches
+    of its own shards (i % world_size == rank), then ``exchange(error or None)`` -- a barrier that returns the first
+    rank's error -- and opens all of them. ``recorded``: the shard list of the checkpoint being resumed (pinned).
+    """
+    if int(seq_len) < 1:
+        raise DataError(f"sequence length {seq_len} is invalid; use a positive --sequence-length")
+    base, paths = list_shards(spec)
+    note = None
+    if recorded is not None:
+        paths, note = pin_shards(str(spec), base, paths, recorded)
+    if note and verbose and rank == 0:
+        _log(note)
+    for p in paths:
+        _check_shard(p)
+    error = None
+    try:
+        prepare_shards(paths, tokenizer, cache_dir, rank, world_size, verbose)
+    except DataError as e:
+        error = str(e)
+    except OSError as e:
+        error = f"cannot tokenize the shards of {spec}: {brief_error(e)}"
+    if exchange is not None:
+        error = exchange(error)
+    if error:
+        raise DataError(error)
+    parts = [TokenWindows(load_tokens(p, tokenizer, verbose=verbose, cache_dir=cache_dir, allow_memory=False),
+                          seq_len, source=str(p)) for p in paths]
+    windows = ShardedWindows(parts, seq_len, str(spec), shard_records(base, paths))
+    if len(windows) < 1:
+        raise DataError(f"sequence length {seq_len} too large for every shard of {spec} (tokenizer {tokenizer.name}): "
+                        f"a window needs {int(seq_len) + 1} tokens of one shard; use a smaller --sequence-length")
+    return windows
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -640,9 +936,25 @@ def _cmd_build_default(args) -> None:
 
 
 def _cmd_prepare(args) -> None:
+    if args.workers < 1:
+        raise DataError(f"--workers {args.workers} is invalid; give 1 or more")
+    if is_sharded(args.data):
+        base, paths = list_shards(args.data)
+        for p in paths:
+            _check_shard(p)
+        tok = load_tokenizer(args.tokenizer)
+        t0 = time.perf_counter()
+        ntok = prepare_with_workers(paths, args.tokenizer, args.workers, args.cache_dir)
+        dt = time.perf_counter() - t0
+        windows = sum(max(0, (len(load_tokens(p, tok, verbose=False, cache_dir=args.cache_dir, allow_memory=False))
+                              - 1) // args.seq_len) for p in paths)
+        print(f"{args.data}: {len(paths)} shards, {ntok:,} tokens ({tok.name}, vocab {tok.vocab_size}), {windows:,} "
+              f"windows of {args.seq_len + 1} tokens; caches ready in {dt:.2f}s with {args.workers} worker(s) "
+              f"({ntok / max(dt, 1e-9):,.0f} tokens/s)")
+        return
     tok = load_tokenizer(args.tokenizer)
     t0 = time.perf_counter()
-    tokens = load_tokens(args.data, tok)
+    tokens = load_tokens(args.data, tok, cache_dir=args.cache_dir)
     dt = time.perf_counter() - t0
     windows = TokenWindows(tokens, args.seq_len, source=str(args.data))
     where = tokens.filename if isinstance(tokens, np.memmap) else "none (tokenized in memory)"
@@ -688,10 +1000,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", default="data/train_data.parquet", help="output parquet path (default: %(default)s)")
     p.set_defaults(func=_cmd_build_default)
 
-    p = sub.add_parser("prepare", help="tokenize a parquet file once and cache the tokens next to it",
-                       description="Build (or verify) the token cache used by train.py, e.g. before submitting a job.")
+    p = sub.add_parser("prepare", help="tokenize a parquet file (or a folder / glob of shards) once, cache the tokens",
+                       description="Build (or verify) the token caches used by train.py, e.g. before submitting a job.")
     p.add_argument("--dataset", "--data", dest="data", metavar="PATH", default="data/train_data.parquet",
-                   help="parquet file with a 'text' column (default: %(default)s)")
+                   help="parquet file with a 'text' column, a folder of *.parquet shards, or a quoted glob "
+                        "(default: %(default)s)")
+    p.add_argument("--workers", type=int, metavar="N", default=1,
+                   help="local processes tokenizing shards in parallel (default: %(default)s)")
+    p.add_argument("--data-cache-dir", dest="cache_dir", metavar="DIR", default=None,
+                   help="the folder for the token caches (default: beside the data, else the per-user cache folder)")
     p.add_argument("--tokenizer", "--tokenizer-name-or-path", dest="tokenizer", metavar="NAME",
                    default=DEFAULT_TOKENIZER, help=tok_help)
     p.add_argument("--sequence-length", "--seq-len", dest="seq_len", metavar="N", type=int, default=2048,

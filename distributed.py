@@ -283,6 +283,15 @@ def all_reduce_max(value: float, env: DistEnv) -> float:
     return float(t.item())
 
 
+def first_error(error: str | None, env: DistEnv) -> str | None:
+    """A barrier that carries one message: every rank passes its error (or None) and gets the lowest rank's."""
+    if not env.distributed:
+        return error
+    errors: list = [None] * env.world_size
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), None)
+
+
 def replicas_identical(model: torch.nn.Module, env: DistEnv) -> bool:
     """True when every rank holds bitwise the same parameters (data parallelism's invariant). Cheap: one crc per rank."""
     import zlib

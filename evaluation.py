@@ -86,7 +86,7 @@ class CardMaker:
 
     def __init__(self, args: argparse.Namespace, env, config, num_params: int, tokenizer_name: str,
                  fingerprint: str | None,
-                 probe: torch.Tensor | None, started_unix: float, version: str):
+                 probe: torch.Tensor | None, started_unix: float, version: str, shards: list | None = None):
         self.started = started_unix
         self.static = {
             "model": {"preset": args.model, "params": num_params, "config": dict(vars(config))},
@@ -103,6 +103,8 @@ class CardMaker:
             "layout": run_layout(args, env),
             "versions": {"pyrecover": version, "torch": str(torch.__version__), "git_commit": git_commit()},
         }
+        if shards is not None:  # a folder or glob: the shards a resume keeps to (dataset.pin_shards)
+            self.static["data"]["shards"] = shards
         if args.checkpoint_note:
             self.static["note"] = args.checkpoint_note
         self.probe_tokens = probe.tolist() if probe is not None else None

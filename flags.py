@@ -36,6 +36,27 @@ def _signal_flag(text: str) -> str:
     return text
 
 
+def _model_flag(text: str) -> str:
+    if text in PRESETS or Path(text).is_file():
+        return text
+    raise argparse.ArgumentTypeError(_model_problem(text))
+
+
+def _model_problem(text: str) -> str:
+    return (f"invalid choice: {text!r} (choose a preset: {', '.join(sorted(PRESETS))}, or give the path of a Hugging "
+            "Face Llama config.json)")
+
+
+def _betas_flag(text: str) -> tuple[float, float]:
+    try:
+        b1, b2 = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not two numbers B1,B2 (e.g. 0.9,0.95)") from None
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: each beta must be in [0, 1)")
+    return b1, b2
+
+
 def _walltime_flag(text: str) -> float:
     try:
         return parse_walltime(text)
@@ -112,7 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
               "spelling, dashes optional), values as on the command line (true/false for switches); flags given on "
               "the command line win. The resolved flags go to <run>/config.resolved.json")
     g = p.add_argument_group("data")
-    flag("--dataset", default="data/train_data.parquet", help="parquet file with a `text` column")
+    flag("--dataset", default="data/train_data.parquet",
+         help="parquet file with a `text` column, a folder of *.parquet shards, or a quoted glob of them")
+    flag("--data-cache-dir", default=None, metavar="DIR",
+         help="folder for the token caches (default: beside the data when writable, else $PYRECOVER_CACHE_DIR or "
+              "~/.cache/pyrecover/tokens)")
     flag("--tokenizer-name-or-path", default=DEFAULT_TOKENIZER,
          help="mistral-sp-32k, mistral-tekken, cl100k_base, o200k_base, a local tokenizer.json / HF tokenizer dir, "
               "or a Hugging Face model id (org/name[@revision]) already in the local HF cache (HF_HUB_CACHE / HF_HOME)")
@@ -121,9 +146,20 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--seed", type=int, default=42, help="seeds model init, data order and every RNG")
 
     g = p.add_argument_group("model and optimisation")
-    flag("--model", default="small", choices=sorted(PRESETS), help="model preset")
+    flag("--model", type=_model_flag, default=None, metavar="PRESET|CONFIG.json",
+         help=f"model preset ({', '.join(sorted(PRESETS))}) or a Hugging Face Llama config.json (its shape; the "
+              "vocabulary must hold the tokenizer's). Default: small, or --init-from's config.json")
+    flag("--init-from", default=None, metavar="DIR",
+         help="a fresh run starts from the Hugging Face Llama weights in DIR (config.json + model.safetensors or "
+              "sharded model-*.safetensors), e.g. an export of this program; a resume loads its checkpoint instead")
     flag("--learning-rate", type=float, default=1e-3, help="peak learning rate (AdamW)")
     flag("--lr-warmup-steps", type=int, default=20, help="linear warm-up steps, then cosine decay to 10%%")
+    flag("--min-lr-ratio", type=float, default=0.1, metavar="R",
+         help="the cosine decay ends at R x --learning-rate")
+    flag("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
+    flag("--adam-betas", type=_betas_flag, default="0.9,0.95", metavar="B1,B2", help="AdamW betas")
+    flag("--gradient-accumulation-steps", type=int, default=1, metavar="N",
+         help="micro-batches of --batch-size per optimizer step (global batch = batch-size x N x ranks)")
     flag("--training-steps", type=int, default=300, help="total optimizer steps")
     flag("--grad-max-norm", type=float, default=1.0, help="clip the global gradient norm to this (0 = off)")
     flag("--model-dtype", default="fp32", choices=sorted(distributed.DTYPES),
@@ -246,6 +282,7 @@ NUMERIC_FLAGS: tuple[tuple[str, float, bool], ...] = (
     ("checkpoint_interval_minutes", 0, True), ("max_restarts", 0, True), ("logging_frequency", 1, True),
     ("profile_step_start", 1, True), ("profile_step_end", 1, True), ("eval_windows", 0, True), ("keep_best", 0, True),
     ("mirror_every", 1, True), ("mirror_keep", 0, True), ("mirror_timeout", 0, False),
+    ("min_lr_ratio", 0, True), ("weight_decay", 0, True), ("gradient_accumulation_steps", 1, True),
 )
 
 
@@ -257,14 +294,21 @@ def check_flags(args: argparse.Namespace, *, writes_csv: bool = True) -> None:
         raise BadInput("--parallel fsdp shards the model over the ranks of a --distributed run, and this is one "
                        "process; add --distributed (under torchrun or srun), or drop --parallel fsdp")
     check_paths(args, writes_csv=writes_csv)
+    if args.init_from is not None and not Path(args.init_from).is_dir():
+        raise BadInput(f"--init-from {args.init_from} is not a folder; give a Hugging Face Llama model folder")
+    default_model(args)
+    if args.model not in PRESETS and not Path(args.model).is_file():
+        raise BadInput(f"--model: {_model_problem(args.model)}")
 
 
 # Flags naming a path (or a name that becomes part of one): an empty value would silently mean the current folder,
 # or nothing at all (no resume, no mirror, no CSV). (dest, what to give instead)
-PATH_FLAGS = (("dataset", "a parquet file"), ("tokenizer_name_or_path", "a tokenizer name or path"),
+PATH_FLAGS = (("dataset", "a parquet file, a folder of them or a glob"), ("data_cache_dir", "a folder"),
+              ("tokenizer_name_or_path", "a tokenizer name or path"),
               ("checkpoint_dir", "a folder or s3://bucket/prefix"), ("experiment_name", "a run name"),
               ("resume_from_checkpoint", "`latest`, a step or a path"),
-              ("mirror_dir", "a folder or s3://bucket/prefix"),
+              ("mirror_dir", "a folder or s3://bucket/prefix"), ("model", "a preset or a config.json"),
+              ("init_from", "a Hugging Face model folder"),
               ("log_loss_to_csv", "a file path, or the flag alone for <checkpoint-dir>/<experiment_name>/loss.csv"))
 
 
@@ -305,6 +349,9 @@ def check_numeric_flags(args: argparse.Namespace) -> None:
             raise BadInput(f"{flag} {value} is not a finite number; give a number {need}")
         if value < lowest or (value == lowest and not inclusive):
             raise BadInput(f"{flag} {value:g} is out of range; give a number {need}")
+    if args.min_lr_ratio > 1:
+        raise BadInput(f"--min-lr-ratio {args.min_lr_ratio:g} is out of range; give a fraction of the peak learning "
+                       "rate between 0 and 1")
     if args.seed >= 2**63:
         raise BadInput(f"--seed {args.seed} is too large; give a number below 2**63")
     if args.eval_windows == 0 and (args.keep_best or args.validate_on_resume):
@@ -325,11 +372,17 @@ RESUME_REFUSED = (("model", "the weights are that model's"),
                   ("sequence_length", "the data position counts windows of that length"),
                   ("seed", "the data order and every RNG continue from the checkpoint"),
                   ("model_dtype", "the weights and optimizer state were trained in it"),
-                  ("eval_windows", "the held-out windows are cut from the training data and its order"))
+                  ("eval_windows", "the held-out windows are cut from the training data and its order"),
+                  ("weight_decay", "the optimizer state was made with it"),
+                  ("adam_betas", "the optimizer's moment estimates were averaged with them"),
+                  ("min_lr_ratio", "the schedule the run follows ends there"),
+                  ("gradient_accumulation_steps", "the data position and the schedule count optimizer steps of "
+                                                  "that many micro-batches"))
 
 
 # A refused flag the checkpoint does not record: the value the version that wrote it behaved as.
-ABSENT_MEANS = {"eval_windows": 0}  # before held-out data, training read every window
+ABSENT_MEANS = {"eval_windows": 0,  # before held-out data, training read every window
+                "weight_decay": 0.1, "adam_betas": [0.9, 0.95], "min_lr_ratio": 0.1, "gradient_accumulation_steps": 1}
 
 
 def _saved_config(run_info: RunInfo) -> dict:
@@ -343,7 +396,13 @@ def _flag(key: str) -> str:
 
 
 def _shown(value):
+    if isinstance(value, (list, tuple)):  # --adam-betas, as typed
+        return ",".join(f"{v:g}" for v in value)
     return ("on" if value else "off") if isinstance(value, bool) else value
+
+
+def _same(saved, now) -> bool:
+    return list(saved) == list(now) if isinstance(now, tuple) and isinstance(saved, list) else saved == now
 
 
 def check_resume_flags(args: argparse.Namespace, run_info: RunInfo, step: int | None) -> None:
@@ -352,7 +411,7 @@ def check_resume_flags(args: argparse.Namespace, run_info: RunInfo, step: int | 
     flags. Needs nothing but the checkpoint's run_info, so train.py also calls it before taking a run over."""
     saved = _saved_config(run_info)
     for key, why in RESUME_REFUSED:
-        if key in saved and saved[key] != getattr(args, key):
+        if key in saved and not _same(saved[key], getattr(args, key)):
             raise BadInput(f"{_flag(key)} {_shown(getattr(args, key))} differs from the checkpoint's "
                            f"{_shown(saved[key])} and cannot change on resume ({why}); resume with {_flag(key)} "
                            f"{_shown(saved[key])}, or start a new --experiment_name")
@@ -547,4 +606,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          f"{args.checkpoint_backend} was given too; pass only one of them")
         args.checkpoint_backend = "dcp"
     args.checkpoint_backend = args.checkpoint_backend or parser.get_default("checkpoint_backend")
+    default_model(args)
     return args
+
+
+def default_model(args: argparse.Namespace) -> None:
+    """--model not given: the shape --init-from's weights have, else the default preset."""
+    if args.model is None:
+        args.model = str(Path(args.init_from) / "config.json") if args.init_from else "small"

@@ -45,6 +45,7 @@ class ModelConfig:
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    tie_embeddings: bool = False  # output projection shares tok_embeddings' weight (HF tie_word_embeddings)
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
@@ -259,11 +260,13 @@ class Transformer(nn.Module):
             self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
             self.layers = nn.ModuleList(TransformerBlock(config, attention) for _ in range(config.n_layers))
             self.norm = RMSNorm(config.dim, config.norm_eps)
-            self.output = nn.Linear(config.dim, config.vocab_size, bias=False)  # untied from tok_embeddings
+            self.output = nn.Linear(config.dim, config.vocab_size, bias=False)  # untied unless tie_embeddings
             # RoPE tables: shared by all layers, derived from the config, so not saved (persistent=False).
             self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.head_dim // 2), persistent=False)
             self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.head_dim // 2), persistent=False)
         self.to_empty(device=device)
+        if config.tie_embeddings:  # after to_empty, which would give each module its own copy
+            self.output.weight = self.tok_embeddings.weight
         self.init_weights()
 
     @torch.no_grad()
@@ -299,8 +302,10 @@ class Transformer(nn.Module):
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Parameter count (global, also for FSDP-sharded or meta models); optionally without the input embedding."""
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.tok_embeddings.weight.numel() if exclude_embeddings else n
+        n = sum(p.numel() for p in self.parameters())  # a tied weight once
+        # tied: the shared matrix also does the output matmul, so it stays counted
+        untied_lookup = exclude_embeddings and not self.config.tie_embeddings
+        return n - self.tok_embeddings.weight.numel() if untied_lookup else n
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward), for MFU.
@@ -394,7 +399,8 @@ def estimate_peak_memory(config: ModelConfig, batch_size: int, seq_len: int, dty
     kv = c.n_kv_heads * c.head_dim
     per_layer = d * (h * c.head_dim) * 2 + d * kv * 2 + 3 * d * f + 2 * d  # wq, wo; wk, wv; SwiGLU; two norms
     matmul_params = L * (per_layer - 2 * d) + V * d  # weights autocast casts (the output layer's too)
-    P = 2 * V * d + L * per_layer + d
+    embeddings = (1 if c.tie_embeddings else 2) * V * d  # input embedding and output layer, one matrix when tied
+    P = embeddings + L * per_layer + d
     wide = 8 if dtype == "fp64" else 4  # weights, gradients and optimizer state (fp32 master weights under autocast)
     autocast = dtype in ("bf16", "fp16")
     if autocast:
@@ -408,8 +414,8 @@ def estimate_peak_memory(config: ModelConfig, batch_size: int, seq_len: int, dty
     params = P * wide // shard
     grads = P * wide // shard
     if parallel == "fsdp" and world_size > 1:  # the root (embeddings, output) stays gathered; one block at a time
-        params += (2 * V * d + d + per_layer) * wide
-        grads += (2 * V * d + d + per_layer) * wide
+        params += (embeddings + d + per_layer) * wide
+        grads += (embeddings + d + per_layer) * wide
     if parallel == "ddp" and world_size > 1:
         grads *= 2  # DDP reduces through gradient buckets, a second copy of every gradient
     if optimizer == "fused":

@@ -51,7 +51,18 @@ _TEKKEN_FILE = "tekken_240911.json"
 _HF_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]", "<|end|>")
 
 
+_threads: int | None = None  # set_num_threads: a tokenizing worker process takes its share of the CPUs
+
+
+def set_num_threads(n: int | None) -> None:
+    """Threads each encode call uses from now on in this process (None: every CPU it may run on)."""
+    global _threads
+    _threads = max(1, int(n)) if n else None
+
+
 def num_threads() -> int:
+    if _threads:
+        return _threads
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):

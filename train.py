@@ -12,7 +12,9 @@ reported per step in metrics.py, the parallelism transform in distributed.py, an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -57,15 +59,18 @@ from checkpoint import policy as stop_policy
 from checkpoint.backends import capabilities, check_combination
 from checkpoint.jit import JustInTime, NoJIT
 from checkpoint.mirror import Mirror, refusal as mirror_refusal
+from checkpoint.export import model_config_from_hf, read_hf
 from checkpoint.reader import section_reader
 from checkpoint.state import unwrap_model
 from dataset import DataError, TrainLoader, fingerprint, hold_out, load_token_windows, load_tokenizer
+from dataset import is_sharded, load_sharded_windows, token_parts
 from evaluation import EVAL_BATCH, CardMaker, batch_loss, check_prediction, evaluate, run_layout
 from flags import (BadInput, apply_resume_flags, build_parser, check_flags, check_numeric_flags,  # noqa: F401 (tests)
                    check_resume_flags, parse_args, RESOLVED_CONFIG, resolved_config)
 from metrics import Metrics, device_peak_flops
 import trackers
-from model import MemoryEstimate, Transformer, estimate_peak_memory, flash_attention_problem, get_config
+from model import (PRESETS, MemoryEstimate, ModelConfig, Transformer, estimate_peak_memory, flash_attention_problem,
+                   get_config)
 
 _T_IMPORTED = time.monotonic()
 log = logging.getLogger("pyrecover")  # rank 0's lines; extra=logs.EVERY_RANK for every rank's (checkpoint/logs.py)
@@ -110,12 +115,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def lr_lambda(warmup: int, total: int):
+def lr_lambda(warmup: int, total: int, min_ratio: float = 0.1):
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
 
@@ -136,6 +141,7 @@ class Checked:
     run_root: Path  # a local folder or s3://bucket/prefix
     backend: object
     lease: run_lease.Lease | None = None  # rank 0 on a local run directory, once every rank passed preflight
+    init_weights: dict | None = None  # --init-from's tensors by model.py name, until build_run copies them in
 
 
 def preflight(args: argparse.Namespace, env: distributed.DistEnv) -> Checked:
@@ -153,7 +159,9 @@ def preflight(args: argparse.Namespace, env: distributed.DistEnv) -> Checked:
                            **backend_options(args, env))
     if env.is_main:
         layout.ensure_writable(run_root)  # fail now, not at the first save hours from now
-    return Checked(tokenizer, windows, config, held_out, run_root, backend)
+    checked = Checked(tokenizer, windows, config, held_out, run_root, backend)
+    checked.init_weights = init_from_weights(args)
+    return checked
 
 
 def take_run_directory(args: argparse.Namespace, checked: Checked) -> run_lease.Lease | None:
@@ -201,9 +209,9 @@ def check_inputs(args: argparse.Namespace, env: distributed.DistEnv):
     if args.use_flash_attention and (problem := flash_attention_problem(env.device)):
         raise BadInput(problem)
     tokenizer = load_tokenizer(args.tokenizer_name_or_path)
-    config = get_config(args.model, vocab_size=tokenizer.vocab_size, max_seq_len=args.sequence_length)
+    config = model_config(args, tokenizer)
     check_memory(args, env, config)
-    windows, held_out = hold_out(load_token_windows(args.dataset, tokenizer, args.sequence_length), args.eval_windows)
+    windows, held_out = hold_out(load_data(args, env, tokenizer), args.eval_windows)
     if len(windows) < args.batch_size * env.world_size:
         raise BadInput(
             f"--sequence-length {args.sequence_length} leaves {len(windows)} training samples in {args.dataset} "
@@ -211,6 +219,94 @@ def check_inputs(args: argparse.Namespace, env: distributed.DistEnv):
             f"{env.world_size} ranks); use a shorter sequence, fewer --eval-windows or a larger dataset"
         )
     return tokenizer, windows, config, held_out
+
+
+def hf_model_config(path, what: str) -> dict:
+    """ModelConfig fields of a Hugging Face Llama config.json (checkpoint/export.py maps both directions)."""
+    try:
+        hf = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise BadInput(f"{what} {path}: cannot read it ({e.strerror or e})") from None
+    except ValueError as e:
+        raise BadInput(f"{what} {path} is not valid JSON ({e})") from None
+    try:
+        return model_config_from_hf(hf, path)
+    except CheckpointError as e:
+        raise BadInput(f"{what} {e}") from None
+
+
+def model_config(args: argparse.Namespace, tokenizer) -> ModelConfig:
+    """The model's shape: a preset with the tokenizer's vocabulary, or a config.json's (whose vocabulary may be larger
+    than the tokenizer's, never smaller); RoPE tables for --sequence-length. --init-from's config.json must agree."""
+    if args.model in PRESETS:
+        config = get_config(args.model, vocab_size=tokenizer.vocab_size, max_seq_len=args.sequence_length)
+    else:
+        fields = hf_model_config(args.model, "--model")
+        if fields["vocab_size"] < tokenizer.vocab_size:
+            raise BadInput(f"--model {args.model}: vocab_size {fields['vocab_size']} is smaller than tokenizer "
+                           f"{tokenizer.name}'s {tokenizer.vocab_size} tokens; give a config with vocab_size >= "
+                           f"{tokenizer.vocab_size} or another --tokenizer-name-or-path")
+        if args.sequence_length > fields["max_seq_len"]:
+            raise BadInput(f"--sequence-length {args.sequence_length} exceeds --model {args.model}'s "
+                           f"max_position_embeddings {fields['max_seq_len']}; give a shorter --sequence-length")
+        config = ModelConfig(**(fields | {"max_seq_len": args.sequence_length}))
+    if args.init_from:
+        theirs, ours = hf_model_config(Path(args.init_from) / "config.json", "--init-from"), vars(config)
+        differ = [f"{k} {theirs[k]} (--model: {ours[k]})" for k in theirs
+                  if k != "max_seq_len" and theirs[k] != ours[k]]
+        if differ:
+            raise BadInput(f"--init-from {args.init_from}: its config.json differs from --model {args.model}: "
+                           f"{', '.join(differ)}; drop --model to take the shape from --init-from")
+    return config
+
+
+def init_from_weights(args: argparse.Namespace) -> dict | None:
+    """--init-from: the folder's tensors under model.py's names (shapes checked against its config.json, which
+    model_config compared with the model's), or None."""
+    if not args.init_from:
+        return None
+    try:
+        _, tensors = read_hf(args.init_from)
+    except CheckpointError as e:
+        raise BadInput(f"--init-from {e}") from None
+    return tensors
+
+
+def load_data(args: argparse.Namespace, env: distributed.DistEnv, tokenizer):
+    """--dataset's windows. A folder or glob: the ranks tokenize its shards together (dataset.load_sharded_windows), and
+    a resumed run reads the shards its checkpoint records, whatever was added since."""
+    if not is_sharded(args.dataset):
+        return load_token_windows(args.dataset, tokenizer, args.sequence_length, cache_dir=args.data_cache_dir)
+    return load_sharded_windows(args.dataset, tokenizer, args.sequence_length, cache_dir=args.data_cache_dir,
+                                rank=env.rank, world_size=env.world_size,
+                                exchange=lambda error: distributed.first_error(error, env),
+                                recorded=recorded_shards(args))
+
+
+def recorded_shards(args: argparse.Namespace) -> list | None:
+    """The shard list in the card of the checkpoint --resume-from-checkpoint names (read, not verified: the load
+    verifies it, and compares the data's fingerprint), or None (no resume, none found, an older card)."""
+    if not args.resume_from_checkpoint:
+        return None
+    run_root = storage.as_path(args.checkpoint_dir) / args.experiment_name
+    spec = args.resume_from_checkpoint
+    try:
+        if spec == "latest":
+            roots = [run_root] + ([storage.as_path(args.mirror_dir) / args.experiment_name] if args.mirror_dir else [])
+            found = sorted((i for r in roots for i in layout.list_checkpoints(r) if i.committed),
+                           key=lambda i: i.step, reverse=True)
+            step_dirs = [i.path for i in found]
+        else:
+            step_dirs = [run_root / layout.step_dir_name(int(spec)) if spec.isdigit() else storage.as_path(spec)]
+        for step_dir in step_dirs:
+            try:
+                card = layout.read_manifest(step_dir).get("meta", {}).get("card", {})
+            except CheckpointError:
+                continue  # the load skips it too, or names the problem
+            return card.get("data", {}).get("shards")
+    except Exception:  # noqa: BLE001 - a location that cannot be read now is the load's to report, in its own words
+        pass
+    return None
 
 
 def backend_options(args: argparse.Namespace, env: distributed.DistEnv) -> dict:
@@ -312,20 +408,28 @@ def build_run(args: argparse.Namespace, env: distributed.DistEnv, checked: Check
     memory = distributed.PeakMemory(env)  # baseline: after imports and data loading
     seed_everything(args.seed)  # identical init on every rank
     model = Transformer(checked.config, attention="flash" if args.use_flash_attention else "sdpa")
+    if checked.init_weights is not None:  # after the seeded init, so the RNG streams are a fresh run's
+        with torch.no_grad():
+            for name, param in model.named_parameters():  # a tied weight once, by its first name
+                param.copy_(checked.init_weights[name])
+        log.info(f"init-from {args.init_from}: {len(checked.init_weights)} tensors loaded")
+        checked.init_weights = None
     model = distributed.parallelize(model.to(device=env.device, dtype=distributed.param_dtype(args.model_dtype)), env,
                                     args.parallel)
     if args.compile:
         model = torch.compile(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=0.1,
-                                  fused=True if args.fused_optimizer else None)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.lr_warmup_steps, args.training_steps))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=tuple(args.adam_betas),
+                                  weight_decay=args.weight_decay, fused=True if args.fused_optimizer else None)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.lr_warmup_steps, args.training_steps,
+                                                                       args.min_lr_ratio))
     scaler = torch.amp.GradScaler(env.device.type, enabled=args.model_dtype == "fp16")
     loader = TrainLoader(checked.windows, args.batch_size, env.rank, env.world_size, args.seed)
     seed_everything(args.seed + env.rank)  # per-rank streams from here on (restored from the checkpoint on resume)
     train = TrainState()
     knobs.install_crash_hook(unwrap_model(model), env.rank, lambda: train.step)  # test-only (knobs.py)
     return Run(args, env, model, optimizer, scheduler, scaler, loader, distributed.autocast(env, args.model_dtype),
-               train, args.batch_size * args.sequence_length * env.world_size, memory, estimate)
+               train, args.batch_size * args.gradient_accumulation_steps * args.sequence_length * env.world_size,
+               memory, estimate)
 
 
 class Checkpointing:
@@ -433,6 +537,7 @@ def build_checkpointing(args: argparse.Namespace, run: Run, checked: Checked, si
 
     def reconcile(step: int | None) -> None:  # right after the load, before begin() moves anything aside
         applied.extend(apply_resume_flags(args, run_info, step, run.optimizer, run.scheduler))
+        check_same_model(args, run_info, checked.config)
         if step is not None:
             check_same_data(args, run, checked, manager.loaded)
         if step is not None and args.validate_on_resume:
@@ -447,12 +552,28 @@ def build_checkpointing(args: argparse.Namespace, run: Run, checked: Checked, si
         log.info(f"no checkpoint found in {checked.run_root}; starting fresh from step 0")
     elif step is not None:
         run.train.restarts += 1
+        if args.init_from:
+            log.info(f"resume: the checkpoint's weights are used; --init-from {args.init_from} applies to a fresh "
+                     "start only")
         for line in applied + [f"warning: resumed run differs from the checkpoint: {d}" for d in run_info.differences(())]:
             log.info(line)  # the differences: world size, torch version
     policy = stop_policy.from_args(args, rank=env.rank, agree=lambda v: distributed.all_reduce_max(v, env),
                                    signals=signals, save_history=manager.history, start=started,
                                    fenced=(lambda: manager.fenced) if env.is_main else None)
     return Checkpointing(args, env, manager, state, lease, step, policy, documenter(args, run, checked, started))
+
+
+def check_same_model(args: argparse.Namespace, run_info: RunInfo, config: ModelConfig) -> None:
+    """The model's shape against the checkpoint's (a config.json may have changed under the same --model path)."""
+    saved = getattr(run_info, "saved", {}).get("config", {}).get("model_config")
+    if not isinstance(saved, dict):
+        return
+    saved = {f.name: saved.get(f.name, f.default) for f in dataclasses.fields(ModelConfig)}  # older: fewer fields
+    differ = [f"{k} {v} (checkpoint: {saved[k]})" for k, v in vars(config).items() if saved[k] != v]
+    if differ:
+        raise BadInput(f"--model {args.model} gives another model than the checkpoint's: {', '.join(differ)}; it "
+                       "cannot change on resume (the weights are that model's); resume with the checkpoint's model, or "
+                       "start a new --experiment_name")
 
 
 def documenter(args: argparse.Namespace, run: Run, checked: Checked, started: float):
@@ -464,7 +585,8 @@ def documenter(args: argparse.Namespace, run: Run, checked: Checked, started: fl
     # Only rank 0 commits a card (any rank may, in a just-in-time save): the others skip hashing the data at start-up.
     writes = env.is_main or args.jit_checkpoint
     make = CardMaker(args, env, checked.config, model.num_params(), checked.tokenizer.name,
-                     data_fingerprint(checked) if writes else None, probe, started, __version__)
+                     data_fingerprint(checked) if writes else None, probe, started, __version__,
+                     shards=getattr(checked.windows, "shards", None))
     everyone = env.distributed and args.parallel == "fsdp"
 
     def describe(step: int, metrics: Metrics, evaluate_now: bool = False) -> dict:
@@ -480,7 +602,7 @@ def documenter(args: argparse.Namespace, run: Run, checked: Checked, started: fl
 
 def data_fingerprint(checked: Checked) -> str:
     """The fingerprint of the tokens this run reads (training, then held out), as the card records it."""
-    return fingerprint(checked.windows.tokens, *([checked.held_out.tokens] if checked.held_out else []))
+    return fingerprint(*token_parts(checked.windows), *token_parts(checked.held_out))
 
 
 def check_same_data(args: argparse.Namespace, run: Run, checked: Checked, info: layout.CheckpointInfo) -> None:
@@ -537,7 +659,9 @@ def build_metrics(args: argparse.Namespace, run: Run, ckpt: Checkpointing, token
     env, model = run.env, unwrap_model(run.model)
     log.info(f"model {args.model}: {model.num_params() / 1e6:.1f}M params | {env.world_size} rank(s) on "
               f"{env.device.type} ({env.backend or 'single process'}) | {len(run.loader.windows)} samples of "
-              f"{args.sequence_length} tokens | tokenizer {tokenizer.name} | global batch {run.tokens_per_step} tokens")
+              f"{args.sequence_length} tokens | tokenizer {tokenizer.name} | global batch {run.tokens_per_step} tokens "
+             f"({args.batch_size} x {args.gradient_accumulation_steps} accumulation x {env.world_size} rank(s) x "
+             f"{args.sequence_length})")
     # --tracker: opened by rank 0 only, in the run folder unless --tracker-dir (trackers.py).
     names = trackers.parse(args.tracker)
     tracker_dir = Path(args.tracker_dir) if args.tracker_dir else log_dir
@@ -567,14 +691,23 @@ def build_jit(args: argparse.Namespace, run: Run, ckpt: Checkpointing, metrics: 
 
 
 def train_step(run: Run, before_update) -> tuple[float, float, torch.Tensor | None]:
-    """One optimizer step on the next batch. Returns the global batch's mean loss (the same on every rank), the
-    learning rate the step used, and the gradient norm before clipping (None: no clipping)."""
-    inputs, targets = run.loader.next_batch()
-    inputs, targets = inputs.to(run.env.device, non_blocking=True), targets.to(run.env.device, non_blocking=True)
-    with run.autocast:
-        logits = run.model(inputs)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
-    run.scaler.scale(loss).backward()
+    """One optimizer step on the next --gradient-accumulation-steps batches. Returns the global batch's mean loss (the
+    same on every rank), the learning rate the step used, and the gradient norm before clipping (None: no clipping)."""
+    micro = run.args.gradient_accumulation_steps
+    for i in range(micro):
+        inputs, targets = run.loader.next_batch()
+        inputs, targets = inputs.to(run.env.device, non_blocking=True), targets.to(run.env.device, non_blocking=True)
+        # DDP all-reduces the gradients once, in the last micro-batch's backward (FSDP2 reduces every micro-batch)
+        last = i == micro - 1
+        with contextlib.nullcontext() if last or not hasattr(run.model, "no_sync") else run.model.no_sync():
+            with run.autocast:
+                logits = run.model(inputs)
+                micro_loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+            # the mean over the step's micro-batches; one micro-batch divides by nothing (bitwise as before)
+            run.scaler.scale(micro_loss / micro if micro > 1 else micro_loss).backward()
+        loss = micro_loss.detach() if i == 0 else loss + micro_loss.detach()
+    if micro > 1:
+        loss = loss / micro
     run.scaler.unscale_(run.optimizer)
     grad_norm = None
     if run.args.grad_max_norm > 0:

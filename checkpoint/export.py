@@ -5,7 +5,7 @@ as full tensors through reader.py (FSDP/DCP shards reassembled), after the folde
 from the manifest's card (``meta.card.model.config``) when the checkpoint has one, else from the run configuration it
 was saved with (``run_info``). OUT receives what ``transformers.LlamaForCausalLM.from_pretrained(OUT)`` reads:
 
-    config.json                     LlamaForCausalLM / model_type llama, untied embeddings
+    config.json                     LlamaForCausalLM / model_type llama, tie_word_embeddings as trained
     generation_config.json          BOS/EOS ids of the tokenizer
     model.safetensors               or model-0000i-of-0000n.safetensors + model.safetensors.index.json when the weights
                                     exceed --max-shard-size
@@ -97,8 +97,14 @@ def saved_model(where, manifest: dict) -> Saved:
                  run_config.get("tokenizer_name_or_path") or card_data.get("tokenizer"))
 
 
+def _tied(config: dict) -> bool:
+    return bool(config.get("tie_embeddings", False))  # configurations saved before the field existed: untied
+
+
 def hf_names(config: dict) -> dict[str, str]:
-    """Our parameter name -> the transformers Llama name, in the order transformers lists them."""
+    """Our parameter name -> the transformers Llama name, in the order transformers lists them; the one mapping both
+    directions use (export here, ``read_hf`` for train.py --init-from). Tied embeddings: no lm_head.weight, as
+    transformers saves them (its output layer is the embedding matrix)."""
     names = {"tok_embeddings.weight": "model.embed_tokens.weight"}
     for i in range(int(config["n_layers"])):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
@@ -113,7 +119,9 @@ def hf_names(config: dict) -> dict[str, str]:
             ours + "feed_forward.w3.weight": theirs + "mlp.up_proj.weight",
             ours + "feed_forward.w2.weight": theirs + "mlp.down_proj.weight",
         })
-    names.update({"norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"})
+    names["norm.weight"] = "model.norm.weight"
+    if not _tied(config):
+        names["output.weight"] = "lm_head.weight"
     return names
 
 
@@ -123,10 +131,12 @@ def _shapes(config: dict) -> dict[str, tuple[int, ...]]:
     per_block = {"attention_norm.weight": (d,), "attention.wq.weight": (d, d), "attention.wk.weight": (kv, d),
                  "attention.wv.weight": (kv, d), "attention.wo.weight": (d, d), "ffn_norm.weight": (d,),
                  "feed_forward.w1.weight": (f, d), "feed_forward.w3.weight": (f, d), "feed_forward.w2.weight": (d, f)}
-    shapes = {"tok_embeddings.weight": (v, d), "norm.weight": (d,), "output.weight": (v, d)}
+    shapes = {"tok_embeddings.weight": (v, d), "norm.weight": (d,)}
     for i in range(int(config["n_layers"])):
         shapes.update({f"layers.{i}.{k}": s for k, s in per_block.items()})
-    return shapes
+    if not _tied(config):
+        shapes["output.weight"] = (v, d)
+    return {ours: shapes[ours] for ours in hf_names(config)}
 
 
 def hf_state_dict(config: dict, tensors: dict[str, Any], where) -> dict[str, torch.Tensor]:
@@ -141,10 +151,128 @@ def hf_state_dict(config: dict, tensors: dict[str, Any], where) -> dict[str, tor
             raise CheckpointError(f"{where}: tensor {name!r} has shape {list(t.shape)}, the saved configuration says "
                                   f"{list(shape)}")
     extra = sorted(set(tensors) - set(expected))
+    if _tied(config) and "output.weight" in extra:  # the state dict names the shared matrix twice
+        if not torch.equal(tensors["output.weight"], tensors["tok_embeddings.weight"]):
+            raise CheckpointError(f"{where}: the configuration ties the embeddings but output.weight differs from "
+                                  "tok_embeddings.weight")
+        extra.remove("output.weight")
     if extra:
         raise CheckpointError(f"{where}: the model section holds {len(extra)} tensor(s) this export does not know, "
                               f"e.g. {extra[0]!r}")
     return {theirs: tensors[ours] for ours, theirs in hf_names(config).items()}
+
+
+# --- reading a Hugging Face Llama folder IN (train.py --init-from, --model CONFIG.json) ----------------------------
+
+# HF config.json key -> our ModelConfig field, and the value LlamaConfig assumes when the key is absent (None: required)
+_FROM_HF = (("hidden_size", "dim", None), ("num_hidden_layers", "n_layers", None),
+            ("num_attention_heads", "n_heads", None), ("num_key_value_heads", "n_kv_heads", None),
+            ("intermediate_size", "ffn_dim", None), ("vocab_size", "vocab_size", 32000),
+            ("max_position_embeddings", "max_seq_len", 2048), ("rope_theta", "rope_theta", 10000.0),
+            ("rms_norm_eps", "norm_eps", 1e-6), ("tie_word_embeddings", "tie_embeddings", False))
+
+
+def model_config_from_hf(hf: Any, where) -> dict:
+    """ModelConfig fields (a dict) of a transformers Llama config.json; CheckpointError (one line) for anything
+    model.py would compute differently: another model type, RoPE scaling, biases, another activation or head size."""
+    def refuse(why: str):
+        raise CheckpointError(f"{where}: {why}; model.py trains plain Llama models (model_type llama, default RoPE, "
+                              "no biases, silu, head_dim = hidden_size / num_attention_heads)")
+
+    if not isinstance(hf, dict):
+        refuse(f"expected a JSON object, got a {type(hf).__name__}")
+    if hf.get("model_type") != "llama":
+        refuse(f"model_type {hf.get('model_type')!r} is not supported")
+    if hf.get("rope_scaling") not in (None, {}):
+        refuse(f"rope_scaling {json.dumps(hf['rope_scaling'])} is not supported")
+    rope = hf.get("rope_parameters")  # transformers 5 spelling of rope_theta (+ scaling)
+    if rope is not None:
+        if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default":
+            refuse(f"rope_parameters {json.dumps(rope)} is not supported (only rope_type default)")
+        hf = {**hf, "rope_theta": rope.get("rope_theta", hf.get("rope_theta", 10000.0))}
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            refuse(f"{key} true is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse(f"hidden_act {hf['hidden_act']!r} is not supported")
+    if hf.get("num_key_value_heads") is None:  # LlamaConfig: plain multi-head attention
+        hf = {**hf, "num_key_value_heads": hf.get("num_attention_heads")}
+    ours: dict[str, Any] = {}
+    for theirs, field_name, default in _FROM_HF:
+        value = hf.get(theirs, default)
+        if value is None:
+            refuse(f"{theirs} is missing")
+        kind = bool if field_name == "tie_embeddings" else float if field_name in ("rope_theta", "norm_eps") else int
+        if kind is bool and not isinstance(value, bool) or kind is int and (isinstance(value, bool) or
+                                                                             not isinstance(value, int)) \
+                or kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            refuse(f"{theirs} {json.dumps(value)} is not a{'n integer' if kind is int else ' ' + kind.__name__}")
+        if kind is not bool and value <= 0:
+            refuse(f"{theirs} {value} must be positive")
+        ours[field_name] = kind(value)
+    if ours["dim"] % ours["n_heads"] or ours["n_heads"] % ours["n_kv_heads"]:
+        refuse(f"hidden_size {ours['dim']}, num_attention_heads {ours['n_heads']} and num_key_value_heads "
+               f"{ours['n_kv_heads']} do not divide evenly")
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and head_dim != ours["dim"] // ours["n_heads"]:
+        refuse(f"head_dim {head_dim} is not hidden_size / num_attention_heads = {ours['dim'] // ours['n_heads']}")
+    return ours
+
+
+def read_hf(folder) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(ModelConfig fields, tensors by our parameter names) of a transformers Llama folder: config.json and
+    model.safetensors, or model-*.safetensors listed by model.safetensors.index.json. Shapes are checked against the
+    config; anything missing, extra or misshapen is a one-line CheckpointError."""
+    import safetensors.torch
+
+    folder = Path(folder)
+    try:
+        hf = json.loads((folder / "config.json").read_text())
+    except OSError as e:
+        raise CheckpointError(f"{folder}: cannot read config.json ({e.strerror or e}); give a folder saved by "
+                              "transformers (save_pretrained) or by `python -m checkpoint export`") from None
+    except ValueError as e:
+        raise CheckpointError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
+    config = model_config_from_hf(hf, folder / "config.json")
+    if (folder / INDEX).is_file():
+        try:
+            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{folder / INDEX} is unreadable (no weight_map)") from None
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{folder}: no model.safetensors or {INDEX} (only safetensors weights are read)")
+    theirs: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = folder / name
+        if Path(name).name != name or not path.is_file():
+            raise CheckpointError(f"{folder / INDEX} lists {name!r}, which is not a file in {folder}")
+        try:
+            theirs.update(safetensors.torch.load_file(path))
+        except Exception as e:  # safetensors' own error types; a truncated or foreign file
+            raise CheckpointError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
+    if config["tie_embeddings"] and "lm_head.weight" in theirs:  # some savers keep the tied copy
+        if not torch.equal(theirs["lm_head.weight"], theirs.get("model.embed_tokens.weight", torch.empty(0))):
+            raise CheckpointError(f"{folder}: config.json ties the embeddings but lm_head.weight differs from "
+                                  "model.embed_tokens.weight")
+        del theirs["lm_head.weight"]
+    names = hf_names(config)
+    expected = _shapes(config)
+    tensors = {}
+    for ours, hf_name in names.items():
+        t = theirs.pop(hf_name, None)
+        if t is None:
+            raise CheckpointError(f"{folder}: no tensor {hf_name!r}; not a Llama model with its config.json's shape")
+        if tuple(t.shape) != expected[ours]:
+            raise CheckpointError(f"{folder}: tensor {hf_name!r} has shape {list(t.shape)}, config.json says "
+                                  f"{list(expected[ours])}")
+        tensors[ours] = t
+    extra = sorted(n for n in theirs if not n.endswith("rotary_emb.inv_freq"))  # old transformers saved RoPE buffers
+    if extra:
+        raise CheckpointError(f"{folder}: {len(extra)} tensor(s) a Llama model does not have, e.g. {extra[0]!r}")
+    return config, tensors
 
 
 # --- tokenizer ------------------------------------------------------------------------------------------------------
@@ -216,7 +344,7 @@ def tokenizer_files(name_or_path: str, vocab_size: int, max_seq_len: int, explic
         if explicit:
             raise CheckpointError(f"--tokenizer: {e}") from None
         return TokenizerExport(note=f"tokenizer not exported: {e}; pass --tokenizer NAME_OR_PATH")
-    if tok.vocab_size != vocab_size:
+    if tok.vocab_size > vocab_size:  # a larger model vocabulary (padded, as many HF models are) is fine
         raise CheckpointError(f"tokenizer {name_or_path} has {tok.vocab_size} tokens but the model's vocabulary is "
                               f"{vocab_size}; pass the --tokenizer the run trained with")
     # encode_batch adds no BOS/EOS in training, so neither does the exported tokenizer (no post-processor).
@@ -284,7 +412,7 @@ def hf_config(config: dict, dtype: torch.dtype, bos_id: int | None, eos_id: int 
         "attention_dropout": 0.0,
         "mlp_bias": False,
         "pretraining_tp": 1,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": _tied(config),
         "initializer_range": 0.02,
         "use_cache": True,
         "bos_token_id": bos_id,

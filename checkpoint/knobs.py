@@ -25,6 +25,9 @@ PYRECOVER_LEASE_HEARTBEAT_S=SECONDS            lease.py (HEARTBEAT_S, at import)
   how often the lease holder touches its record (default 10).
 PYRECOVER_LEASE_TIMEOUT_S=SECONDS              lease.py (TIMEOUT_S, at import)      test-only    lease_timeout_s()
   a holder whose heartbeat is older than this counts as dead (default 120).
+PYRECOVER_TOKENIZE_DELAY_S=SECONDS             dataset.py (_build_cache)            test-only    tokenize_delay_s()
+  each token cache stays that much longer under its temporary name before its rename (a slow tokenizer: a test
+  kills the ranks mid-tokenization).
 PYRECOVER_CRASH_AT_STEP=k[:rank[:MODE]]        train.py                             test-only    crash_at_step(),
                                                                                                  install_crash_hook()
   ``rank`` (default 0) dies right after the forward pass of step k (before backward and its all-reduce): MODE
@@ -106,6 +109,11 @@ def lease_heartbeat_s(environ: Mapping[str, str] | None = None) -> float:
 def lease_timeout_s(environ: Mapping[str, str] | None = None) -> float:
     """PYRECOVER_LEASE_TIMEOUT_S: a holder whose heartbeat is older than this counts as dead (default 120 s)."""
     return _seconds("PYRECOVER_LEASE_TIMEOUT_S", 120.0, environ)
+
+
+def tokenize_delay_s(environ: Mapping[str, str] | None = None) -> float:
+    """PYRECOVER_TOKENIZE_DELAY_S: extra seconds per token cache written by dataset.py (0 when unset)."""
+    return _seconds("PYRECOVER_TOKENIZE_DELAY_S", 0.0, environ)
 
 
 def crash_at_step(environ: Mapping[str, str] | None = None) -> tuple[int, int, str] | None:

@@ -347,6 +347,12 @@ def _is_token_rows(value) -> bool:
             and len({len(r) for r in value}) <= 1 and all(_is_count(t) and t < 1 << 31 for r in value for t in r))
 
 
+def _is_shard_list(value) -> bool:
+    """The card's shards of a folder/glob dataset: [[name, size in bytes], ...]."""
+    return isinstance(value, list) and all(isinstance(r, list) and len(r) == 2 and isinstance(r[0], str)
+                                           and _is_count(r[1]) for r in value)
+
+
 _OPT_NUM = (_is_number, type(None))  # a loss or learning rate the card records as null when there was none
 _OPT_STR = (str, type(None))
 
@@ -359,7 +365,7 @@ META_SCHEMA = {
     "card": {
         "model": {"preset": str, "params": _is_count, "config": dict},
         "data": {"dataset": str, "fingerprint": _OPT_STR, "tokenizer": _OPT_STR, "sequence_length": _is_count,
-                 "eval_windows": _is_count},
+                 "eval_windows": _is_count, "shards": _is_shard_list},
         "hyperparameters": dict,
         "retention": {"keep": _is_count, "keep_every": _is_count, "keep_best": _is_count},
         "layout": {"device": _OPT_STR, "dtype": str, "attention": _OPT_STR, "world_size": _is_count},
