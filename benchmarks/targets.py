@@ -38,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from checkpoint import fsio, layout  # noqa: E402
+from checkpoint import fsio  # noqa: E402
 from checkpoint.backends import RankInfo  # noqa: E402
 from checkpoint.backends.concurrent import ConcurrentBackend  # noqa: E402
 from checkpoint.backends.vanilla import VanillaBackend  # noqa: E402

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib
 import logging
 import os
 import signal
@@ -11,6 +12,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -22,6 +25,23 @@ TINY = ["--model", "tiny", "--sequence-length", "32", "--batch-size", "4", "--lr
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").lower() == "true"
+
+
+def optional_module(name: str):
+    """A test-only extra (pip install -e .[dev]), or None when it is not installed: see `require`."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def require(module, name: str) -> None:
+    """Skip a test whose extra is missing on a user's machine; in CI, which installs every extra, fail instead."""
+    if module is None:
+        reason = f"{name} is not installed (test-only extra: pip install -e .[dev])"
+        if in_ci():
+            pytest.fail(reason)
+        pytest.skip(reason)
 
 
 def env_for_tests(extra: dict | None = None) -> dict:
@@ -119,6 +139,22 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process and every descendant (torchrun's ranks sit in sessions of their own), and wait until each is
+    gone: orphaned ranks are reaped by init."""
+    tree = _process_tree(proc.pid)
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in tree):
+        assert time.monotonic() < deadline, "ranks survived SIGKILL"
+        time.sleep(0.01)
+
+
 def kill_run_at_row(cmd: list[str], csv: Path, row: int, *, env: dict | None = None, cwd: Path = ROOT,
                     timeout: float = 300) -> None:
     """Start a run and SIGKILL it -- torchrun and every rank, like a node loss -- once the loss CSV shows `row` steps."""
@@ -131,16 +167,7 @@ def kill_run_at_row(cmd: list[str], csv: Path, row: int, *, env: dict | None = N
             assert time.monotonic() < deadline, "timed out waiting for the run to reach the kill step"
             time.sleep(0.01)
     finally:
-        tree = _process_tree(proc.pid)
-        for pid in tree:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait()
-        while any(_alive(pid) for pid in tree):  # orphaned ranks are reaped by init
-            assert time.monotonic() < deadline + 30, "ranks survived SIGKILL"
-            time.sleep(0.01)
+        kill_tree(proc)
     assert csv_rows(csv) < row + 2  # nothing kept training after the kill
 
 

@@ -17,17 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import PY, ROOT, TINY, env_for_tests, in_ci, run_torchrun, run_train
+from helpers import PY, ROOT, TINY, env_for_tests, optional_module, require, run_torchrun, run_train
 
 sys.path.insert(0, str(ROOT))
 from checkpoint import layout  # noqa: E402
 from checkpoint.export import saved_model  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 
-try:
-    import transformers
-except ImportError:  # test-only extra (pip install -e .[dev])
-    transformers = None
+transformers = optional_module("transformers")
 
 # fp32 on both sides runs the same operations in the same order (measured max |difference|: 0.0). The one mistake
 # this export could plausibly make, q/k rows in the interleaved-pairs RoPE order instead of rotate-half, moves
@@ -38,11 +35,7 @@ STEPS = 4
 
 @pytest.fixture(autouse=True)
 def _needs_transformers():
-    if transformers is None:
-        reason = "transformers is not installed (test-only extra: pip install -e .[dev])"
-        if in_ci():
-            pytest.fail(reason)
-        pytest.skip(reason)
+    require(transformers, "transformers")
 
 
 def _train_args(corpus: str, ckdir: Path, *extra: str) -> list[str]:

@@ -26,18 +26,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (PY, ROOT, check_weights, csv_rows, env_for_tests, in_ci, kill_run_at_row, loss_rows,
-                     start_train)
+from helpers import (PY, ROOT, check_weights, csv_rows, env_for_tests, kill_run_at_row, loss_rows,
+                     optional_module, require, start_train)
 
 sys.path.insert(0, str(ROOT))
 from checkpoint.export import hf_names  # noqa: E402
 from checkpoint.reader import read_section  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 
-try:
-    import transformers
-except ImportError:  # test-only extra (pip install -e .[dev])
-    transformers = None
+transformers = optional_module("transformers")
 
 # Both sides compute in fp32 with the same operations in the same order (embedding, RMSNorm, rotate-half RoPE, SDPA,
 # SwiGLU): measured max |difference| 0.0 on torch's CPU kernels. The tolerance leaves room for a transformers release
@@ -94,11 +91,7 @@ def export(src: Path, out: Path) -> subprocess.Popen:
 
 @pytest.fixture(autouse=True)
 def _needs_transformers():
-    if transformers is None:
-        reason = "transformers is not installed (test-only extra: pip install -e .[dev])"
-        if in_ci():
-            pytest.fail(reason)
-        pytest.skip(reason)
+    require(transformers, "transformers")
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,7 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -23,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import (PY, ROOT, TINY, _alive, _process_tree, check_weights, env_for_tests, kill_run_at_row, loss_rows,
+from helpers import (ROOT, TINY, check_weights, env_for_tests, kill_run_at_row, kill_tree, loss_rows,
                      run_torchrun, run_train, torchrun_cmd)
 from test_data_integrity import dataset_cli, no_traceback, read_only  # noqa: F401 (read_only: a fixture)
 
@@ -56,20 +54,6 @@ def caches(folder: Path) -> dict[str, bytes]:
 
 def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
     return [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error")]
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    tree = _process_tree(proc.pid)
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
-    deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in tree):
-        assert time.monotonic() < deadline, "ranks survived SIGKILL"
-        time.sleep(0.01)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
