@@ -235,10 +235,14 @@ def _writes_per_save(reference: Path) -> int:
     return len(manifest["files"]) + 3  # payload files, part record, manifest, COMMITTED
 
 
+def _first_write_of_step4(reference: Path) -> int:
+    return 1 + _writes_per_save(reference) + 1  # the run's first write is config.resolved.json, then the step-2 save
+
+
 def test_save_error_continue_retries_at_next_interval(corpus, reference, tmp_path):
     """An I/O error in the step-4 save with --on-save-error continue: one warning line, training goes on, the step-6
     save succeeds, and the result is bit-identical; the failed step-4 folder is cleaned up."""
-    first_write_of_step4 = _writes_per_save(reference) + 1
+    first_write_of_step4 = _first_write_of_step4(reference)
     proc = run_train(args_for(corpus, tmp_path, "--on-save-error", "continue"),
                      env={"PYRECOVER_FAULT": f"after_write_before_fsync:{first_write_of_step4}:error"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -250,7 +254,7 @@ def test_save_error_continue_retries_at_next_interval(corpus, reference, tmp_pat
 
 
 def test_save_error_stop_is_the_default(corpus, reference, tmp_path):
-    first_write_of_step4 = _writes_per_save(reference) + 1
+    first_write_of_step4 = _first_write_of_step4(reference)
     proc = run_train(args_for(corpus, tmp_path),
                      env={"PYRECOVER_FAULT": f"after_write_before_fsync:{first_write_of_step4}:error"})
     assert proc.returncode == 1
