@@ -544,7 +544,9 @@ def build_checkpointing(args: argparse.Namespace, run: Run, checked: Checked, si
             validate_loaded(args, run, manager.loaded)
 
     try:
-        step = manager.begin(args.resume_from_checkpoint, state, keep_files=("loss.csv",), after_load=reconcile)
+        # an abandoned line's checkpoints are retired with the loss rows and flags that produced them
+        step = manager.begin(args.resume_from_checkpoint, state, keep_files=("loss.csv", RESOLVED_CONFIG),
+                             after_load=reconcile)
     except (CheckpointError, DataError) as e:  # DataError: e.g. resharded to a global batch it does not fit
         reconcile(None)  # run_info loads first: a refused flag (another --model, ...) explains the failure best
         raise BadInput(str(e)) from None

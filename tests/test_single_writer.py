@@ -126,6 +126,7 @@ def test_resume_from_older_step_keeps_the_newer_checkpoint_through_a_kill(corpus
     assert "moved the newer checkpoints of the abandoned line (8, 12)" in proc.stdout
     retired = list((root / layout.RETIRED_DIR).glob("*-after-step-4"))
     assert len(retired) == 1
+    assert (retired[0] / "config.resolved.json").is_file()  # the abandoned line keeps the flags that produced it
     for step in (8, 12):
         ok = subprocess.run([PY, "-m", "checkpoint", "verify", str(retired[0] / layout.step_dir_name(step))],
                             cwd=ROOT, env=env_for_tests(), capture_output=True, text=True)
