@@ -95,8 +95,12 @@ class CardMaker:
                      "eval_windows": args.eval_windows},
             "hyperparameters": {"learning_rate": args.learning_rate, "lr_warmup_steps": args.lr_warmup_steps,
                                 "training_steps": args.training_steps, "batch_size_per_rank": args.batch_size,
-                                "global_batch_tokens": args.batch_size * args.sequence_length * env.world_size,
-                                "grad_max_norm": args.grad_max_norm, "optimizer": "AdamW(betas=(0.9, 0.95), wd=0.1)",
+                                "global_batch_tokens": args.batch_size * args.gradient_accumulation_steps
+                                * args.sequence_length * env.world_size,
+                                "grad_max_norm": args.grad_max_norm,
+                                "optimizer": f"AdamW(betas=({args.adam_betas[0]}, {args.adam_betas[1]}), "
+                                             f"wd={args.weight_decay}), min lr ratio {args.min_lr_ratio}, "
+                                             f"{args.gradient_accumulation_steps} accumulation step(s)",
                                 "seed": args.seed, "checkpoint_backend": args.checkpoint_backend},
             "retention": {"keep": args.max_kept_checkpoints, "keep_every": args.keep_every,
                           "keep_best": args.keep_best},

@@ -788,7 +788,11 @@ def train(args: argparse.Namespace, signals: stop_policy.SignalWatcher, started:
                 checked.lease.release()  # nothing was changed: the next start need not wait for anything
         return EXIT_BAD_INPUT
     if env.is_main:  # every flag's final value (command line, --config, defaults); rewritten, atomically, each start
-        storage.write_bytes(ckpt.manager.root / RESOLVED_CONFIG, resolved_config(args))
+        try:
+            storage.write_bytes(ckpt.manager.root / RESOLVED_CONFIG, resolved_config(args))
+        except OSError as e:  # a record, not state: the card has the flags too, and a failing disk stops the next save
+            say(f"warning: could not write {ckpt.manager.root / RESOLVED_CONFIG} ({e.strerror or e}); training "
+                "continues")
     metrics = build_metrics(args, run, ckpt, checked.tokenizer)
     jit = build_jit(args, run, ckpt, metrics)
     if env.distributed and args.pg_timeout_seconds:
