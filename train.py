@@ -303,8 +303,9 @@ def recorded_shards(args: argparse.Namespace) -> list | None:
                 card = layout.read_manifest(step_dir).get("meta", {}).get("card", {})
             except CheckpointError:
                 continue  # the load skips it too, or names the problem
-            return card.get("data", {}).get("shards")
-    except Exception:  # noqa: BLE001 - a location that cannot be read now is the load's to report, in its own words
+            data = card.get("data") if isinstance(card, dict) else None  # a malformed card: the load names it
+            return data.get("shards") if isinstance(data, dict) else None
+    except (OSError, CheckpointError):  # a location that cannot be read now is the load's to report, in its words
         pass
     return None
 
