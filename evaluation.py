@@ -86,7 +86,8 @@ class CardMaker:
 
     def __init__(self, args: argparse.Namespace, env, config, num_params: int, tokenizer_name: str,
                  fingerprint: str | None,
-                 probe: torch.Tensor | None, started_unix: float, version: str, shards: list | None = None):
+                 probe: torch.Tensor | None, started_unix: float, version: str, resolved_flags: dict,
+                 shards: list | None = None):
         self.started = started_unix
         self.static = {
             "model": {"preset": args.model, "params": num_params, "config": dict(vars(config))},
@@ -107,6 +108,9 @@ class CardMaker:
             "layout": run_layout(args, env),
             "versions": {"pyrecover": version, "torch": str(torch.__version__), "git_commit": git_commit()},
         }
+        # Every flag's final value (command line, --config file, defaults), as <run>/config.resolved.json has it: the
+        # card alone says how its checkpoint was trained, wherever it is copied to.
+        self.static["flags"] = resolved_flags
         if shards is not None:  # a folder or glob: the shards a resume keeps to (dataset.pin_shards)
             self.static["data"]["shards"] = shards
         if args.checkpoint_note:

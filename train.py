@@ -589,7 +589,7 @@ def documenter(args: argparse.Namespace, run: Run, checked: Checked, started: fl
     writes = env.is_main or args.jit_checkpoint
     make = CardMaker(args, env, checked.config, model.num_params(), checked.tokenizer.name,
                      data_fingerprint(checked) if writes else None, probe, started, __version__,
-                     shards=getattr(checked.windows, "shards", None))
+                     json.loads(resolved_config(args)), shards=getattr(checked.windows, "shards", None))
     everyone = env.distributed and args.parallel == "fsdp"
 
     def describe(step: int, metrics: Metrics, evaluate_now: bool = False) -> dict:

@@ -122,8 +122,8 @@ def cmd_verify(path: Path) -> int:
 
 
 def _show_card(card: dict) -> None:
-    """The card as `section.key: value` lines (the probe's tokens as their count)."""
-    for section, values in card.items():
+    """The card as `section.key: value` lines (the probe's tokens as their count; the long flags section last)."""
+    for section, values in sorted(card.items(), key=lambda item: item[0] == "flags"):
         if not isinstance(values, dict):
             print(f"  {section}: {values}")
             continue

@@ -371,6 +371,7 @@ META_SCHEMA = {
         "layout": {"device": _OPT_STR, "dtype": str, "attention": _OPT_STR, "world_size": _is_count},
         "versions": dict,
         "note": str,
+        "flags": dict,
         "progress": {"step": _is_count, "tokens_seen": _is_count, "loss_last": _OPT_NUM, "loss_mean": _OPT_NUM,
                      "loss_steps": _is_count, "learning_rate": _OPT_NUM},
         "time": {"saved_utc": str, "run_wall_s": _is_number},

@@ -99,6 +99,10 @@ def test_config_file_round_trip(tmp_path, corpus, kind):
     assert int(card["hyperparameters.seed"]) == expected["seed"]
     assert int(card["hyperparameters.batch_size_per_rank"]) == 3
     assert card["note"] == expected["checkpoint_note"]
+    # the card carries the whole resolved configuration too, the same values as the run folder's file
+    assert {k[len("flags."):]: v for k, v in card.items() if k.startswith("flags.")} == \
+        {k: str(v) for k, v in resolved.items()}
+    assert json.loads((step / "manifest.json").read_text())["meta"]["card"]["flags"] == resolved
     saved = _saved_flags(step)  # a value from the file is recorded exactly like one from the command line
     assert saved["config"] == str(cfg)
     assert saved["learning_rate"] == expected["learning_rate"] and saved["batch_size"] == 3
