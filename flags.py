@@ -20,6 +20,7 @@ import torch
 import distributed
 from checkpoint import RunInfo
 from checkpoint import policy as stop_policy
+from checkpoint.backends import BACKENDS
 from checkpoint.walltime import parse_walltime
 from dataset import DEFAULT_TOKENIZER
 from model import PRESETS
@@ -185,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--checkpoint-frequency", type=int, default=100, help="save every N steps (0 = only at the end)")
     flag("--resume-from-checkpoint", default=None, metavar="latest|STEP|PATH",
          help="resume: `latest` (newest verified checkpoint; starts fresh if there is none), a step, or a path")
-    flag("--checkpoint-backend", default="vanilla", choices=["vanilla", "concurrent", "dcp"],
+    flag("--checkpoint-backend", default="vanilla", choices=list(BACKENDS),
          help="how checkpoint bytes are written (concurrent: snapshot to host buffers, persist in the background)")
     flag("--max-async", type=int, default=2, metavar="N",
          help="concurrent backend: checkpoints persisting at once (= host buffer sets of the state's size)")

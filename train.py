@@ -29,7 +29,7 @@ if __name__ == "__main__":
     # SLURM's warning signal can come while the imports below run (seconds; tens on a busy node), and its default
     # action kills the process: hold USR1/USR2 pending until the stop policy's handlers exist (SignalWatcher.install
     # releases them, and a held signal is delivered to the handler then).
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})  # = policy.HELD_SIGNALS (it imports torch)
     # Ctrl-C or SIGTERM during the imports: nothing to save yet -- one line and 128 + the signal as SignalWatcher does
     # later (its handlers replace these), no traceback.
     def _nothing_to_save(signum: int, _frame) -> None:

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from . import layout, logs, storage
 from .errors import CheckpointError
+from .fsio import MiB
+from .convert import FORMATS
 from .reader import read_section
-
-MiB = 1 << 20
 
 
 def _targets(path: Path) -> list[layout.CheckpointInfo]:
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     conv = sub.add_parser("convert", help="rewrite a checkpoint in another backend's format")
     conv.add_argument("src", help="step folder, or experiment folder (its latest)")
     conv.add_argument("dst", help="experiment folder (result: DST/step-N) or a step-N folder")
-    conv.add_argument("--to", required=True, choices=["vanilla", "dcp"])
+    conv.add_argument("--to", required=True, choices=FORMATS)
     exp = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face Llama folder")
     exp.add_argument("src", help="step folder, or experiment folder (its latest)")
     exp.add_argument("out", help="folder to create (empty or absent; --force replaces an earlier export)")

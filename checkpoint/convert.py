@@ -16,11 +16,11 @@ from . import layout, storage
 from .backends import BACKENDS, backend_class
 from .errors import CheckpointError
 from .reader import locate, section_reader
+from .state import TENSOR_SECTIONS
 
 _log = logging.getLogger(__name__)
 
 FORMATS = ("vanilla", "dcp")
-_TENSOR_SECTIONS = ("model", "optimizer")
 
 
 def _is_tensor_payload(name: str, backend: str) -> bool:
@@ -56,7 +56,7 @@ def convert(src, dst, to: str):
         layout.remove_step_dir(step_dir, "choose another DST, or move them away")
     step_dir.mkdir(parents=True)
 
-    sections = {s: section_reader(frm)(where, manifest, s) for s in _TENSOR_SECTIONS}
+    sections = {s: section_reader(frm)(where, manifest, s) for s in TENSOR_SECTIONS}
     files: dict[str, dict] = {}
     for name, rec in manifest["files"].items():  # the non-tensor files are the same in every format
         if _is_tensor_payload(name, frm):

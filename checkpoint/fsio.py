@@ -51,6 +51,8 @@ class _Crc32:
 
 HASHERS: dict[str, Callable[[], object]] = {"xxh3_64": xxhash.xxh3_64, "crc32": _Crc32}
 
+MiB = 1 << 20
+
 
 def new_hasher(algorithm: str = CHECKSUM_ALGORITHM):
     return HASHERS[algorithm]()

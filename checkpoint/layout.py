@@ -38,7 +38,7 @@ MANIFEST = "manifest.json"
 COMMITTED = "COMMITTED"
 
 
-def _no_guard(what: str) -> None:  # noqa: ARG001 - fencing off (no lease: object storage, tools)
+def no_guard(what: str) -> None:  # noqa: ARG001 - fencing off (no lease: object storage, tools)
     return None
 
 
@@ -530,7 +530,7 @@ def best_steps(infos: list[CheckpointInfo], k: int) -> list[int]:
 
 
 def apply_retention(root: Path, keep: int, *, keep_every: int = 0, keep_best: int = 0,
-                    in_flight: set[int] = frozenset(), guard: Callable[[str], None] = _no_guard,
+                    in_flight: set[int] = frozenset(), guard: Callable[[str], None] = no_guard,
                     own_staging: str = "", label: str = "retention") -> list[int]:
     """Delete committed checkpoints beyond the newest ``keep`` (by numeric step). Returns the deleted steps.
 
@@ -595,7 +595,7 @@ def staging_dir(root: Path, run_id: str, step: int) -> Path:
     return Path(root) / f"{STAGING_PREFIX}{run_id}" / step_dir_name(step)
 
 
-def publish(staged: Path, root: Path, step: int, *, guard: Callable[[str], None] = _no_guard, tag: str = "",
+def publish(staged: Path, root: Path, step: int, *, guard: Callable[[str], None] = no_guard, tag: str = "",
             replace_valid: bool = True) -> Path:
     """Make the committed folder ``staged`` the checkpoint ``root/step-N`` (see above); the one way a step folder is
     replaced. ``replace_valid`` False: a ``step-N`` that exists and verifies is kept and ``staged`` discarded (a
@@ -672,7 +672,7 @@ def _sweep_other_staging(root: Path, own_staging: str, guard: Callable[[str], No
             shutil.rmtree(p, ignore_errors=True)
 
 
-def retire_newer(root: Path, step: int, *, keep_files: tuple[str, ...] = (), guard: Callable[[str], None] = _no_guard
+def retire_newer(root: Path, step: int, *, keep_files: tuple[str, ...] = (), guard: Callable[[str], None] = no_guard
                  ) -> Path | None:
     """The run continues from ``step``: move every checkpoint newer than it (a line the user left) to
     ``root/retired/<UTC time>-after-step-<step>/``, with a copy of ``keep_files``, so `latest` can never return to that

@@ -22,14 +22,12 @@ from . import layout, storage
 from .backends import Backend, RankInfo, loader_for
 from .backends.base import BackgroundTask
 from .errors import CheckpointError
-from .fsio import io_mode, is_disk_full
+from .fsio import MiB, io_mode, is_disk_full
 from .lease import Fenced, Lease
 from .mirror import Mirror
 from .state import CheckpointState
 
 _log = logging.getLogger(__name__)
-
-MiB = 1 << 20
 
 
 @dataclass

@@ -29,18 +29,14 @@ from typing import Callable
 
 from . import layout, storage
 from .errors import CheckpointError
+from .fsio import MiB
 from .knobs import mirror_delay_s
 from .lease import Fenced
 
 _log = logging.getLogger(__name__)
 
-MiB = 1 << 20
 RETRIES = 3  # attempts per step before it counts as failed (a newer step submitted meanwhile ends them sooner)
 BACKOFF_S = 1.0  # first pause between attempts; doubles after each
-
-
-def _no_guard(what: str) -> None:  # noqa: ARG001
-    return None
 
 
 def refusal(checkpoint_dir: str, mirror_dir: str, experiment: str) -> str | None:
@@ -109,7 +105,7 @@ class Mirror:
         self.run_id = run_id
         self.every, self.keep, self.keep_every, self.keep_best = every, keep, keep_every, keep_best
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
-        self.guard: Callable[[str], None] = _no_guard
+        self.guard: Callable[[str], None] = layout.no_guard
         self._cv = threading.Condition()
         self._pending: tuple | None = None  # (step, primary step folder, SaveRecord | None, submitted at)
         self._copying: int | None = None

@@ -18,8 +18,6 @@ from .backends import BACKENDS, backend_class
 from .backends.vanilla import safe_load
 from .errors import CheckpointError
 
-SECTIONS = ("model", "optimizer")
-
 
 def flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     if isinstance(obj, dict):

@@ -22,6 +22,8 @@ from .errors import CheckpointError
 # costs ~0.6 s of every restart, and a plain model's resume does not need them.
 
 PER_RANK_KEYS = ("rng", "dataloader")
+#: the sections that hold tensors (sharded under FSDP, resharded by DCP, exported, converted); the rest is small
+TENSOR_SECTIONS = ("model", "optimizer")
 
 
 @runtime_checkable

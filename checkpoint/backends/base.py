@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import CheckpointError
-from ..state import CheckpointState, holds_dtensors
+from ..state import TENSOR_SECTIONS, CheckpointState, holds_dtensors
 
 #: values of ``Backend.asynchronous``
 ASYNC_OPTIONAL = "optional"  # synchronous saves unless asked (--async-checkpoint): then they persist in the background
@@ -146,7 +146,7 @@ class Backend(ABC):
         """Refuse model/optimizer pieces built for the other mode than this backend saves (``sharded``) where the
         modes differ -- a model holding DTensors (FSDP); for any other model both give the same plain tensors. Called
         at the start of ``save``."""
-        for key in ("model", "optimizer"):
+        for key in TENSOR_SECTIONS:
             piece = state.get(key)
             mode = getattr(piece, "sharded", None)
             if mode is None or mode == self.sharded or not holds_dtensors(piece.model):

@@ -45,7 +45,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..fsio import PAGE, ChecksumWriter, atomic_write, fsync_dir
+from ..fsio import PAGE, MiB, ChecksumWriter, atomic_write, fsync_dir
 from ..knobs import fault_point, persist_delay_s
 from ..state import CheckpointState
 from .base import ASYNC_ALWAYS, Backend, PayloadHandle, RankInfo
@@ -54,7 +54,6 @@ from .vanilla import load_pieces, payload_pieces, read_section
 
 _log = logging.getLogger(__name__)
 
-MiB = 1 << 20
 DEFAULT_CHUNK = 16 * MiB
 
 

@@ -73,12 +73,10 @@ from .. import layout, storage
 from ..errors import CheckpointError
 from ..fsio import ChecksumWriter, MemoryFile, real_io_errors
 from ..knobs import fault_point
-from ..state import CheckpointState, check_compatible
+from ..state import TENSOR_SECTIONS as TENSOR_KEYS, CheckpointState, check_compatible
 from .base import ASYNC_OPTIONAL, Backend, CompletedPayload, PayloadHandle, RankInfo
 from .vanilla import load_file, load_pieces, load_weights_only, payload_pieces, save_pieces
 
-#: the pieces DCP writes (sharded / de-duplicated); every other piece goes through vanilla's helpers
-TENSOR_KEYS = ("model", "optimizer")
 METADATA = ".metadata"
 
 
