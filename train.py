@@ -22,7 +22,6 @@ import random
 import signal
 import sys
 import time
-import uuid
 from pathlib import Path
 
 if __name__ == "__main__":
@@ -48,19 +47,17 @@ _PARENT_AT_START = os.getppid()  # a torchrun rank's launcher (distributed.follo
 _T_IMPORTS = time.monotonic()  # the heavy imports start here (the recovery line reports how long a restart took)
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import distributed
-from checkpoint import (CheckpointError, CheckpointManager, CheckpointState, ModelState, OptimizerState,
-                        RNGState, RunInfo, TrainState, knobs, layout, logs, make_backend, storage)
+from checkpoint import (CheckpointError, CheckpointState, ModelState, OptimizerState, RNGState, RunInfo, TrainState,
+                        knobs, layout, logs, storage)
 from checkpoint import lease as run_lease
 from checkpoint import policy as stop_policy
-from checkpoint.backends import capabilities, check_combination
-from checkpoint.jit import JustInTime, NoJIT
-from checkpoint.mirror import Mirror, refusal as mirror_refusal
+from checkpoint import session as checkpointing
+from checkpoint.backends import capabilities
+from checkpoint.jit import NoJIT
 from checkpoint.export import model_config_from_hf, read_hf
-from checkpoint.reader import section_reader
 from checkpoint.state import unwrap_model
 from dataset import DataError, TrainLoader, fingerprint, hold_out, load_token_windows, load_tokenizer
 from dataset import is_sharded, load_sharded_windows, token_parts
@@ -138,66 +135,51 @@ class Checked:
     windows: object  # what training reads
     config: object
     held_out: object  # the --eval-windows training never sees (evaluation.py), or None
-    run_root: Path  # a local folder or s3://bucket/prefix
-    backend: object
-    lease: run_lease.Lease | None = None  # rank 0 on a local run directory, once every rank passed preflight
+    session: checkpointing.Session  # the run's checkpointing (its lease once every rank passed preflight)
     init_weights: dict | None = None  # --init-from's tensors by model.py name, until build_run copies them in
 
 
-def preflight(args: argparse.Namespace, env: distributed.DistEnv) -> Checked:
+def preflight(args: argparse.Namespace, env: distributed.DistEnv, signals: stop_policy.SignalWatcher,
+              started: float) -> Checked:
     """Everything that can be wrong with the user's input, checked on every rank before any collective or training
     time: the flags first (numbers, combinations, paths: instant), then the memory the configuration needs (as soon as
     the tokenizer gives the vocabulary), then the data (tokenizing may take minutes), then the checkpoint directory.
-    Nothing is taken yet: the run directory's lease comes after every rank passed (take_run_directory)."""
+    Nothing is taken yet: the run directory's lease comes after every rank passed (Session.take)."""
     tokenizer, windows, config, held_out = check_inputs(args, env)
-    check_combination(args.checkpoint_backend, sharded=args.distributed and args.parallel == "fsdp",
-                      checkpoint_dir=args.checkpoint_dir, async_save=args.async_checkpoint, jit=args.jit_checkpoint)
-    if args.mirror_dir and (why := mirror_refusal(args.checkpoint_dir, args.mirror_dir, args.experiment_name)):
-        raise BadInput(why)
-    run_root = storage.as_path(args.checkpoint_dir) / args.experiment_name
-    backend = make_backend(args.checkpoint_backend, env,
-                           **backend_options(args, env))
-    if env.is_main:
-        layout.ensure_writable(run_root)  # fail now, not at the first save hours from now
-    checked = Checked(tokenizer, windows, config, held_out, run_root, backend)
+    session = checkpointing.Session(checkpoint_settings(args, env), env, signals=signals, started=started,
+                                    agree=lambda v: distributed.all_reduce_max(v, env))
+    checked = Checked(tokenizer, windows, config, held_out, session)
     checked.init_weights = init_from_weights(args)
     return checked
 
 
-def take_run_directory(args: argparse.Namespace, checked: Checked) -> run_lease.Lease | None:
-    """Rank 0: the run directory's lease (one writer per run directory, checkpoint/lease.py; none on s3://). A live
-    holder is fenced only by --force-takeover, and only after what could still refuse this start passed: the flags
-    against the checkpoint it will resume (check_resume). A start refused after fencing would leave nothing running."""
-    if storage.is_remote(checked.run_root):
-        return None
-    try:
-        return run_lease.acquire(checked.run_root)  # fences nothing that is alive
-    except run_lease.LeaseHeld:
-        if not args.force_takeover:
-            raise
-    check_resume(args, checked.run_root)
-    return run_lease.acquire(checked.run_root, force=True)
+def checkpoint_settings(args: argparse.Namespace, env: distributed.DistEnv) -> checkpointing.Settings:
+    """The flags as the checkpoint session takes them."""
+    # The other ranks wait in a collective while rank 0 waits for the final mirror copy: stay inside its timeout.
+    mirror_wait = args.mirror_timeout if env.world_size == 1 else min(args.mirror_timeout,
+                                                                      0.8 * (args.pg_timeout_seconds or 600.0))
+    when = stop_policy.When(every_steps=args.checkpoint_frequency, final_step=args.training_steps,
+                            every_minutes=args.checkpoint_interval_minutes,
+                            walltime_aware=args.timeaware_checkpointing, walltime_s=args.walltime,
+                            walltime_margin_s=args.walltime_margin_seconds, requeue=args.requeue,
+                            max_restarts=args.max_restarts)
+    return checkpointing.Settings(
+        checkpoint_dir=args.checkpoint_dir, experiment=args.experiment_name, backend=args.checkpoint_backend,
+        backend_options=backend_options(args, env), sharded=args.distributed and args.parallel == "fsdp",
+        async_save=args.async_checkpoint, jit=args.jit_checkpoint, keep=args.max_kept_checkpoints,
+        keep_every=args.keep_every, keep_best=args.keep_best,
+        keep_files=("loss.csv", RESOLVED_CONFIG),  # an abandoned line's checkpoints go with its loss rows and flags
+        mirror_dir=args.mirror_dir, mirror_every=args.mirror_every, mirror_keep=args.mirror_keep,
+        mirror_timeout_s=mirror_wait, force_takeover=args.force_takeover, on_save_error=args.on_save_error, when=when)
 
 
-def check_resume(args: argparse.Namespace, run_root) -> None:
+def check_resume(args: argparse.Namespace, session: checkpointing.Session) -> None:
     """The flags against the checkpoint --resume-from-checkpoint will load (flags.check_resume_flags), read-only: what
-    the load refuses, refused before a live run is fenced. The load checks again (a run still training may commit a
-    newer checkpoint in between; its refused flags are the same)."""
-    if not args.resume_from_checkpoint:
-        return
-    if args.resume_from_checkpoint == "latest":
-        mirror = [storage.as_path(args.mirror_dir) / args.experiment_name] if args.mirror_dir else []
-        info = layout.resolve_latest([run_root, *mirror], quiet=True)
-    else:
-        info = layout.resolve(run_root, args.resume_from_checkpoint, quiet=True)
-    if info is None:
-        return  # nothing to resume: a fresh start
-    saved = RunInfo()
-    try:
-        saved.load_state_dict(section_reader(info.manifest["backend"])(info.path, info.manifest, "run_info"))
-    except (OSError, KeyError, ValueError, TypeError) as e:  # e.g. removed meanwhile by the live run's retention
-        raise CheckpointError(f"{info.path}: cannot read its run_info ({e}); nothing was taken over") from None
-    check_resume_flags(args, saved, info.step)
+    the load refuses, refused before a live run is fenced (--force-takeover). The load checks again (a run still
+    training may commit a newer checkpoint in between; its refused flags are the same)."""
+    if args.resume_from_checkpoint and (found := session.peek(args.resume_from_checkpoint)) is not None:
+        step, saved = found
+        check_resume_flags(args, saved, step)
 
 
 def check_inputs(args: argparse.Namespace, env: distributed.DistEnv):
@@ -433,71 +415,12 @@ def build_run(args: argparse.Namespace, env: distributed.DistEnv, checked: Check
                memory, estimate)
 
 
-class Checkpointing:
-    """The checkpoint side of the loop: *when* (the stop policy), *how* (the manager), and what a failed save means
-    (--on-save-error)."""
-
-    def __init__(self, args: argparse.Namespace, env: distributed.DistEnv, manager: CheckpointManager,
-                 state: CheckpointState, lease: run_lease.Lease | None, resumed_step: int | None,
-                 policy: stop_policy.StepBoundary, describe):
-        self.args, self.env, self.manager, self.state, self.lease = args, env, manager, state, lease
-        self.resumed_step, self.policy = resumed_step, policy
-        self.describe = describe  # (step, metrics, evaluate_now) -> the checkpoint's manifest meta (its card)
-        self.saved_at: int | None = None
-        self.failed_at: int | None = None  # --on-save-error continue: the final checkpoint must still exist
-
-    def step_boundary(self, step: int, metrics: Metrics) -> bool:
-        """Save if it is time (intervals, signals, walltime: one small all-reduce, the same decision on every rank).
-        True: stop now -- saved just above, by every rank at this step; ``close`` waits until it has committed."""
-        decision = self.policy(step)
-        try:
-            self.manager.poll()  # surface background save errors at a step boundary
-            if decision.save:
-                meta = self.describe(step, metrics, evaluate_now=True)  # first: --tracker logs its eval at `step`
-                metrics.sync()
-                self.manager.save(step, self.state, meta=meta)
-                self.saved_at = step
-        except run_lease.Fenced:
-            pass  # a newer incarnation owns the run directory: the policy's next vote stops every rank, saving nothing
-        except CheckpointError as e:  # e.g. disk full
-            self._save_failed(e, step)
-        return decision.stop
-
-    def _save_failed(self, error: CheckpointError, step: int) -> None:
-        if self.args.on_save_error == "stop":
-            raise error
-        say(f"warning: {error}; training continues (--on-save-error continue), the next save retries")
-        self.failed_at = step
-
-    def close(self, step: int) -> int | None:
-        """Wait until every save has committed. Returns the exit code if the run must not report success."""
-        try:
-            self.manager.close()
-        except CheckpointError as e:
-            self._save_failed(e, step)
-        # A newer incarnation took the run directory over (rank 0 knows): this one committed nothing since, and must
-        # neither requeue nor report success.
-        if distributed.all_reduce_max(1.0 if self.manager.fenced else 0.0, self.env) > 0:
-            if self.env.is_main:
-                say(f"error: stopped at step {step}: {self.lease.fenced_message}")
-            return EXIT_FENCED
-        if self.failed_at is not None and self.failed_at >= (self.saved_at or 0):
-            say(f"error: training reached step {step} but its final checkpoint could not be saved (save failed "
-                f"at step {self.failed_at}); resume from `latest` repeats the steps since")
-            return EXIT_FAILED
-        return None
-
-    def release(self) -> None:
-        """The next start takes the run directory over without asking."""
-        if self.lease is not None and self.env.is_main:
-            self.lease.release()
-
-
-def build_checkpointing(args: argparse.Namespace, run: Run, checked: Checked, signals: stop_policy.SignalWatcher,
-                        started: float) -> Checkpointing:
-    """The state to save, the manager, the resume, and the stop policy. A checkpoint that cannot be resumed with these
-    flags raises BadInput."""
-    env, lease = run.env, checked.lease
+def open_checkpoints(args: argparse.Namespace, run: Run, checked: Checked) -> int | None:
+    """The state to save, then the resume: crashed incarnations' leftovers go, `latest` (or the given step) is loaded
+    and checked against these flags and data, and only then are newer checkpoints of a line the run no longer follows
+    moved aside. Returns the resumed step (None: a fresh start). A checkpoint that cannot be resumed with these flags
+    raises BadInput, with nothing moved."""
+    env, session = run.env, checked.session
     run_info = RunInfo(config=vars(args) | {"model_config": vars(checked.config)},
                        versions={"torch": str(torch.__version__), "pyrecover": __version__}, world_size=env.world_size)
     # Sharded backends (dcp): every rank saves its own shard (DTensors under FSDP); the others: full state dicts,
@@ -510,49 +433,25 @@ def build_checkpointing(args: argparse.Namespace, run: Run, checked: Checked, si
     if run.scaler.is_enabled():
         state["grad_scaler"] = run.scaler
 
-    # One id per incarnation (part records, staging folder) and the lease's generation (fencing), the same on every rank.
-    run_id = [uuid.uuid4().hex[:12], lease.generation if lease else 0] if env.is_main else [None, None]
-    if env.distributed:
-        dist.broadcast_object_list(run_id, src=0)
-    if lease is None and run_id[1]:
-        lease = run_lease.Lease(checked.run_root, run_id[1])
-    if lease is not None and env.is_main:
-        lease.start_heartbeat()
-    mirror = None  # --mirror-dir: rank 0 copies every committed checkpoint (checkpoint/mirror.py)
-    if args.mirror_dir and env.is_main:
-        # The other ranks wait in a collective while rank 0 waits for the final copy: stay inside its timeout.
-        wait = args.mirror_timeout if env.world_size == 1 else min(args.mirror_timeout,
-                                                                    0.8 * (args.pg_timeout_seconds or 600.0))
-        mirror = Mirror(storage.as_path(args.mirror_dir) / args.experiment_name, run_id=run_id[0],
-                        every=args.mirror_every, keep_every=args.keep_every, keep_best=args.keep_best,
-                        timeout_s=wait,
-                        keep=args.max_kept_checkpoints if args.mirror_keep is None else args.mirror_keep)
-    manager = CheckpointManager(checked.run_root, checked.backend, env,
-                                run_id=run_id[0], keep=args.max_kept_checkpoints, keep_every=args.keep_every,
-                                keep_best=args.keep_best,
-                                lease=lease, mirror=mirror)
-
-    # Crashed incarnations' leftovers go, `latest` (or the given step) is loaded, and newer checkpoints of a line the
-    # run no longer follows are moved aside, so a later `latest` cannot jump back to them.
     applied: list[str] = []  # flags that differ from the checkpoint's and take effect ('resume: applying ...')
 
-    def reconcile(step: int | None) -> None:  # right after the load, before begin() moves anything aside
+    def reconcile(step: int | None) -> None:  # right after the load, before anything moves
         applied.extend(apply_resume_flags(args, run_info, step, run.optimizer, run.scheduler))
         check_same_model(args, run_info, checked.config)
         if step is not None:
-            check_same_data(args, run, checked, manager.loaded)
+            check_same_data(args, run, checked, session.loaded)
         if step is not None and args.validate_on_resume:
-            validate_loaded(args, run, manager.loaded)
+            validate_loaded(args, run, session.loaded)
 
     try:
-        # an abandoned line's checkpoints are retired with the loss rows and flags that produced them
-        step = manager.begin(args.resume_from_checkpoint, state, keep_files=("loss.csv", RESOLVED_CONFIG),
-                             after_load=reconcile)
+        step = session.open(args.resume_from_checkpoint, state)
     except (CheckpointError, DataError) as e:  # DataError: e.g. resharded to a global batch it does not fit
         reconcile(None)  # run_info loads first: a refused flag (another --model, ...) explains the failure best
         raise BadInput(str(e)) from None
+    reconcile(step)
+    session.follow(step)
     if args.resume_from_checkpoint and step is None:
-        log.info(f"no checkpoint found in {checked.run_root}; starting fresh from step 0")
+        log.info(f"no checkpoint found in {session.root}; starting fresh from step 0")
     elif step is not None:
         run.train.restarts += 1
         if args.init_from:
@@ -560,10 +459,7 @@ def build_checkpointing(args: argparse.Namespace, run: Run, checked: Checked, si
                      "start only")
         for line in applied + [f"warning: resumed run differs from the checkpoint: {d}" for d in run_info.differences(())]:
             log.info(line)  # the differences: world size, torch version
-    policy = stop_policy.from_args(args, rank=env.rank, agree=lambda v: distributed.all_reduce_max(v, env),
-                                   signals=signals, save_history=manager.history, start=started,
-                                   fenced=(lambda: manager.fenced) if env.is_main else None)
-    return Checkpointing(args, env, manager, state, lease, step, policy, documenter(args, run, checked, started))
+    return step
 
 
 def check_same_model(args: argparse.Namespace, run_info: RunInfo, config: ModelConfig) -> None:
@@ -647,9 +543,10 @@ def validate_loaded(args: argparse.Namespace, run: Run, info: layout.CheckpointI
     log.info(f"validate-on-resume: step {info.step} OK, {line}")
 
 
-def build_metrics(args: argparse.Namespace, run: Run, ckpt: Checkpointing, tokenizer) -> Metrics:
+def build_metrics(args: argparse.Namespace, run: Run, session: checkpointing.Session, resumed: int | None,
+                  tokenizer) -> Metrics:
     # The loss CSV and profiler traces stay on local disk: next to the checkpoints, or ./logs/<experiment> for s3://.
-    log_dir = Path("logs") / args.experiment_name if storage.is_remote(ckpt.manager.root) else ckpt.manager.root
+    log_dir = session.local_log_dir(Path("logs") / args.experiment_name)
     csv_path = None
     if args.log_loss_to_csv:
         csv_path = log_dir / "loss.csv" if args.log_loss_to_csv == "auto" else Path(args.log_loss_to_csv)
@@ -668,24 +565,23 @@ def build_metrics(args: argparse.Namespace, run: Run, ckpt: Checkpointing, token
     # --tracker: opened by rank 0 only, in the run folder unless --tracker-dir (trackers.py).
     names = trackers.parse(args.tracker)
     tracker_dir = Path(args.tracker_dir) if args.tracker_dir else log_dir
-    opened = trackers.open_trackers(names, tracker_dir, ckpt.resumed_step, wandb_project=args.wandb_project,
+    opened = trackers.open_trackers(names, tracker_dir, resumed, wandb_project=args.wandb_project,
                                     wandb_name=args.wandb_name or os.environ.get("WANDB_NAME") or args.experiment_name
                                     ) if env.is_main else []
-    return Metrics(writer=env.is_main, csv_path=csv_path, resumed_step=ckpt.resumed_step, start_step=run.train.step,
+    return Metrics(writer=env.is_main, csv_path=csv_path, resumed_step=resumed, start_step=run.train.step,
                    total_steps=args.training_steps, every=args.logging_frequency, tokens_per_step=run.tokens_per_step,
                    flops_per_token=model.flops_per_token(args.sequence_length), peak_flops=device_peak_flops(env.device),
                    world_size=env.world_size, imports=(_T_IMPORTS, _T_IMPORTED), profiler=profiler,
                    trackers=opened, tracker_dir=tracker_dir, tracker_names=tuple(names),
-                   save_records=lambda: ckpt.manager.history)
+                   save_records=lambda: session.history)
 
 
-def build_jit(args: argparse.Namespace, run: Run, ckpt: Checkpointing, metrics: Metrics) -> NoJIT:
+def build_jit(args: argparse.Namespace, run: Run, session: checkpointing.Session, metrics: Metrics, describe) -> NoJIT:
     """--jit-checkpoint: a surviving rank saves the last completed step when a peer fails (checkpoint/jit.py)."""
-    if not args.jit_checkpoint:
-        return NoJIT()
-    log.info(f"jit: just-in-time checkpointing on (rank {run.env.rank})", extra=logs.EVERY_RANK)
-    return JustInTime(ckpt.manager, ckpt.state, reseed=lambda r: seed_everything(args.seed + r),
-                      ensure_logged=metrics.ensure_logged, describe=lambda step: ckpt.describe(step, metrics))
+    if args.jit_checkpoint:
+        log.info(f"jit: just-in-time checkpointing on (rank {run.env.rank})", extra=logs.EVERY_RANK)
+    return session.just_in_time(reseed=lambda r: seed_everything(args.seed + r), ensure_logged=metrics.ensure_logged,
+                                describe=lambda step: describe(step, metrics))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -774,39 +670,46 @@ def train(args: argparse.Namespace, signals: stop_policy.SignalWatcher, started:
     # Bad input is found on every rank before any collective; then the ranks agree, so none waits for another. Only
     # then does rank 0 take the run directory (a refusal after a --force-takeover would leave no run training).
     try:
-        checked = agreed(env, lambda: preflight(args, env))
-        checked.lease = agreed(env, lambda: take_run_directory(args, checked) if env.is_main else None)
+        checked = agreed(env, lambda: preflight(args, env, signals, started))
+        session = checked.session
+        agreed(env, lambda: session.take(before_force=lambda: check_resume(args, session)))
     except Refused:
         return EXIT_BAD_INPUT
 
     run = build_run(args, env, checked)
     try:
-        ckpt = build_checkpointing(args, run, checked, signals, started)
+        resumed = open_checkpoints(args, run, checked)
     except BadInput as e:  # every rank has the same flags and checkpoint: all refuse here, none waits in a collective
         if env.is_main:
             say(f"error: {e}")
-            if checked.lease is not None:
-                checked.lease.release()  # nothing was changed: the next start need not wait for anything
+            session.release()  # nothing was changed: the next start need not wait for anything
         return EXIT_BAD_INPUT
     if env.is_main:  # every flag's final value (command line, --config, defaults); rewritten, atomically, each start
         try:
-            storage.write_bytes(ckpt.manager.root / RESOLVED_CONFIG, resolved_config(args))
+            storage.write_bytes(session.root / RESOLVED_CONFIG, resolved_config(args))
         except OSError as e:  # a record, not state: the card has the flags too, and a failing disk stops the next save
-            say(f"warning: could not write {ckpt.manager.root / RESOLVED_CONFIG} ({e.strerror or e}); training "
-                "continues")
-    metrics = build_metrics(args, run, ckpt, checked.tokenizer)
-    jit = build_jit(args, run, ckpt, metrics)
+            say(f"warning: could not write {session.root / RESOLVED_CONFIG} ({e.strerror or e}); training continues")
+    describe = documenter(args, run, checked, started)
+    metrics = build_metrics(args, run, session, resumed, checked.tokenizer)
+    jit = build_jit(args, run, session, metrics, describe)
     if env.distributed and args.pg_timeout_seconds:
         distributed.set_timeout(args.pg_timeout_seconds)
-    ckpt.policy.start()  # from here on SIGTERM / --signal mean "save at the next step boundary and stop"
+    session.start()  # from here on SIGTERM / --signal mean "save at the next step boundary and stop"
 
     def before_update() -> None:
-        ckpt.manager.wait_staged()  # an async save still copying the weights must finish before they change
+        session.wait_staged()  # an async save still copying the weights must finish before they change
         jit.begin_optimizer()
+
+    def card(step: int):
+        def make() -> dict:  # a periodic save's card: evaluated first, so --tracker logs its eval at `step`
+            meta = describe(step, metrics, evaluate_now=True)
+            metrics.sync()
+            return meta
+        return make
 
     # --- the loop ----------------------------------------------------------------------------------------------------
     run.model.train()
-    metrics.start(ckpt.manager.load_seconds)
+    metrics.start(session.load_seconds)
     t_loop = time.perf_counter()
     try:
         while run.train.step < args.training_steps:
@@ -816,23 +719,28 @@ def train(args: argparse.Namespace, signals: stop_policy.SignalWatcher, started:
             jit.end_step()
             metrics.step(run.train.step, loss, lr, grad_norm, time.perf_counter() - t0, run.train.tokens_seen,
                          run.train.restarts)
-            if ckpt.step_boundary(run.train.step, metrics):
+            if session.step_boundary(run.train.step, card(run.train.step)):
                 break
-        failed = ckpt.close(run.train.step)
+        problem = session.close(run.train.step)
     except Exception as e:
         # a peer failed: this healthy rank saved the last completed step (or another rank did) -> requeue
         if isinstance(e, USER_ERRORS) or not jit.recover(e):
             raise
         return EXIT_REQUEUE
-    if failed == EXIT_FENCED:
-        distributed.shutdown(env)
-        _KEEP_UNTIL_EXIT.append(run.model)
-    if failed is not None:
-        return failed
-    return finish(args, run, ckpt, metrics, time.perf_counter() - t_start, time.perf_counter() - t_loop)
+    if problem is not None:
+        kind, line = problem
+        if kind == checkpointing.FENCED:  # this incarnation changed nothing since it was fenced: it only leaves
+            if env.is_main:
+                say(line)
+            distributed.shutdown(env)
+            _KEEP_UNTIL_EXIT.append(run.model)
+            return EXIT_FENCED
+        say(line)
+        return EXIT_FAILED
+    return finish(args, run, session, metrics, time.perf_counter() - t_start, time.perf_counter() - t_loop)
 
 
-def finish(args: argparse.Namespace, run: Run, ckpt: Checkpointing, metrics: Metrics, run_s: float,
+def finish(args: argparse.Namespace, run: Run, session: checkpointing.Session, metrics: Metrics, run_s: float,
            loop_s: float) -> int:
     """After the last checkpoint committed: check the replicas, report, requeue if the policy says so, exit code."""
     env = run.env
@@ -846,11 +754,11 @@ def finish(args: argparse.Namespace, run: Run, ckpt: Checkpointing, metrics: Met
     measured = run.memory.peak_growth()
     log.info(f"memory measured: {measured / 2**20:,.1f} MiB peak on rank 0 ({run.memory.describe()}); estimate "
               f"{run.estimate.total / 2**20:,.1f} MiB ({100 * (run.estimate.total / max(measured, 1) - 1):+.1f}%)")
-    log.info(ckpt.manager.summary(run_s))
-    outcome = ckpt.policy.finish(run.train.step, args.training_steps)  # a stop before the end: rank 0 requeues
+    log.info(session.summary(run_s))
+    outcome = session.finish(run.train.step)  # a stop before the end: rank 0 requeues
     distributed.shutdown(env)
     _KEEP_UNTIL_EXIT.append(run.model)  # see __main__: freeing DDP's reducer here can hang the process
-    ckpt.release()
+    session.release()
     return EXIT_FOR[outcome]
 
 

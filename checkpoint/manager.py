@@ -351,18 +351,28 @@ class CheckpointManager:
               after_load: Callable[[int | None], None] | None = None) -> int | None:
         """Open the run directory for this incarnation: clean up after crashed ones, restore ``state`` from ``spec``
         (None: start fresh), and retire checkpoints newer than the step the run continues from, so `latest` follows
-        this line. Returns the resumed step (None: fresh start)."""
-        local = not storage.is_remote(self.root)
-        if self.rank.is_main and local:
+        this line. Returns the resumed step (None: fresh start). ``open`` and ``follow`` are its two halves."""
+        step = self.open(spec, state)
+        if after_load is not None:  # e.g. refusing a flag the checkpoint cannot take: before anything moves
+            after_load(step)
+        self.follow(step, keep_files=keep_files)
+        return step
+
+    def open(self, spec: str | None, state: CheckpointState) -> int | None:
+        """Clean up after crashed incarnations, then restore ``state`` from ``spec`` (None: start fresh). Nothing the
+        run had committed moves yet: a caller refusing the loaded checkpoint leaves the folder as it found it."""
+        if self.rank.is_main and not storage.is_remote(self.root):
             _log.info(io_mode(self.root))  # decided once per filesystem; every save and load then uses it
             self._guard("clean up the run directory")
             layout.recover(self.root, own_staging=self._staging.name)
         if self.mirror is not None:
             self.mirror.recover()
-        step = self.load(spec, state) if spec else None
-        if after_load is not None:  # e.g. train.py refusing a flag the checkpoint cannot take: before anything moves
-            after_load(step)
-        if self.rank.is_main and local:
+        return self.load(spec, state) if spec else None
+
+    def follow(self, step: int | None, *, keep_files: tuple[str, ...] = ()) -> None:
+        """Continue the run from ``step`` (None: from scratch): checkpoints of a line it no longer follows are retired
+        (with ``keep_files`` of the run folder), so a later `latest` cannot jump back to them; the mirror starts."""
+        if self.rank.is_main and not storage.is_remote(self.root):
             try:
                 layout.retire_newer(self.root, step or 0, keep_files=keep_files, guard=self._guard)
             except OSError as e:
@@ -370,7 +380,6 @@ class CheckpointManager:
                                       f"{e.strerror or e}") from None
         if self.mirror is not None:
             self.mirror.start(step or 0, self.root)
-        return step
 
     # --- summary -------------------------------------------------------------------------------------------------
     def summary(self, run_seconds: float) -> str:

@@ -411,21 +411,32 @@ class StepBoundary:
         return REQUEUED
 
 
-def from_args(args, *, rank: int, agree: Callable[[float], float], signals: SignalWatcher | None,
-              save_history: Sequence | None = None, start: float | None = None,
-              environ: Mapping[str, str] = os.environ, fenced: Callable[[], bool] | None = None) -> StepBoundary:
-    """Build the step-boundary policy from train.py's flags. Walltime and the wall-clock interval are decided on rank 0
-    (one ``squeue`` per job, not per rank); the all-reduce carries the decision to the others."""
+@dataclass(frozen=True)
+class When:
+    """When to save and stop, as the run asked for it."""
+
+    every_steps: int = 0  # a save every N steps (0: none); the final step always saves
+    final_step: int = 0
+    every_minutes: float = 0.0  # also a save every N minutes of wall time (0: none)
+    walltime_aware: bool = False  # save and stop before the job's time limit
+    walltime_s: float | None = None  # the limit when not under SLURM (or to override it)
+    walltime_margin_s: float = 0.0  # how long before the limit at the latest
+    requeue: bool | None = None  # None = auto: on in a SLURM job that is not an array task
+    max_restarts: int = 100
+
+
+def step_boundary(when: When, *, rank: int, agree: Callable[[float], float], signals: SignalWatcher | None,
+                  save_history: Sequence | None = None, start: float | None = None,
+                  environ: Mapping[str, str] = os.environ, fenced: Callable[[], bool] | None = None) -> StepBoundary:
+    """The step-boundary policy for ``when``. Walltime and the wall-clock interval are decided on rank 0 (one
+    ``squeue`` per job, not per rank); the all-reduce carries the decision to the others."""
     walltime = None
-    if getattr(args, "timeaware_checkpointing", False) and rank == 0:
-        reader = DeadlineReader(environ, walltime_s=getattr(args, "walltime", None), start=start)
-        walltime = WalltimePolicy(reader, margin_s=args.walltime_margin_seconds)
+    if when.walltime_aware and rank == 0:
+        reader = DeadlineReader(environ, walltime_s=when.walltime_s, start=start)
+        walltime = WalltimePolicy(reader, margin_s=when.walltime_margin_s)
         walltime.start()
-    every = None
-    if getattr(args, "checkpoint_interval_minutes", 0) and rank == 0:
-        every = WallClockInterval(args.checkpoint_interval_minutes)
-    step_sleep = knobs.step_sleep_s(environ)
-    return StepBoundary(IntervalPolicy(args.checkpoint_frequency, args.training_steps), agree=agree, rank=rank,
+    every = WallClockInterval(when.every_minutes) if when.every_minutes and rank == 0 else None
+    return StepBoundary(IntervalPolicy(when.every_steps, when.final_step), agree=agree, rank=rank,
                         signals=signals, walltime=walltime, every_minutes=every,
-                        requeue=RequeueSettings(args.requeue, args.max_restarts), environ=environ,
-                        step_sleep=step_sleep, save_history=save_history, fenced=fenced)
+                        requeue=RequeueSettings(when.requeue, when.max_restarts), environ=environ,
+                        step_sleep=knobs.step_sleep_s(environ), save_history=save_history, fenced=fenced)

@@ -1,0 +1,249 @@
+"""A training run's checkpointing behind one door: ``Session`` owns the run directory's lease (one writer), the stop
+policy (when), the manager (how saves and loads run) and the mirror. The manager never decides *when*; the policy never
+touches bytes; the caller never sees either.
+
+The life of a run, every call on every rank unless noted:
+
+    session = Session(settings, rank, agree=...)   # refusals first: backend combination, mirror place, writability
+    session.take(before_force=...)                 # rank 0: the lease; a live holder is fenced only with force
+    step = session.open(spec, state)               # crashed incarnations' leftovers swept, ``spec`` loaded (or None)
+    ...                                            # the caller checks the loaded checkpoint; nothing moved yet
+    session.follow(step)                           # an abandoned line's newer checkpoints retired; the mirror starts
+    session.start()                                # from here a stop signal means "save at the next step boundary"
+    loop: session.wait_staged() before optimizer.step(), then ``if session.step_boundary(step, describe): break``
+    problem = session.close(step)                  # every save committed; a fenced run or a lost final save is said
+    outcome = session.finish(step); session.release()
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch.distributed as dist
+
+from . import layout, lease as run_lease, storage
+from .backends import RankInfo, check_combination, make_backend
+from .errors import CheckpointError
+from .jit import JustInTime, NoJIT
+from .manager import CheckpointManager, SaveRecord
+from .mirror import Mirror, refusal as mirror_refusal
+from .policy import SignalWatcher, When, step_boundary
+from .reader import section_reader
+from .state import CheckpointState, RunInfo
+
+_log = logging.getLogger(__name__)
+
+#: what ``close`` reports when the run must not count as a success
+FENCED, FINAL_SAVE_FAILED = "fenced", "final-save-failed"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How and where a run checkpoints (train.py builds it from its flags)."""
+
+    checkpoint_dir: str  # a local folder or s3://bucket/prefix
+    experiment: str = "default"  # the run folder under checkpoint_dir
+    backend: str = "vanilla"
+    backend_options: dict = field(default_factory=dict)
+    sharded: bool = False  # the model is sharded over ranks (FSDP)
+    async_save: bool | str = False
+    jit: bool = False  # a surviving rank saves the last completed step when a peer fails
+    keep: int = 0  # newest committed checkpoints kept (0: all)
+    keep_every: int = 0  # milestones kept besides
+    keep_best: int = 0  # lowest held-out losses kept besides
+    keep_files: tuple[str, ...] = ()  # run-folder files retired with an abandoned line (its loss rows, its flags)
+    mirror_dir: str | None = None  # a second location every committed checkpoint is copied to (rank 0)
+    mirror_every: int = 1
+    mirror_keep: int | None = None  # None: as keep
+    mirror_timeout_s: float = 600.0  # how long the end waits for the final copy
+    force_takeover: bool = False  # fence a live holder of the run directory
+    on_save_error: str = "stop"  # "continue": warn, train on, retry at the next save
+    when: When = field(default_factory=When)
+
+
+def _say(line: str) -> None:
+    """A warning or error line from any rank, to stderr (what a batch log shows beside the progress)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+class Session:
+    def __init__(self, settings: Settings, rank: RankInfo, *, agree: Callable[[float], float],
+                 signals: SignalWatcher | None = None, started: float | None = None):
+        """Refuse, in one line (CheckpointError), what cannot work, before any training time is spent. ``agree(x)``:
+        the maximum of ``x`` over all ranks (an all-reduce; identity for one process)."""
+        s = settings
+        check_combination(s.backend, sharded=s.sharded, checkpoint_dir=s.checkpoint_dir, async_save=s.async_save,
+                          jit=s.jit)
+        if s.mirror_dir and (why := mirror_refusal(s.checkpoint_dir, s.mirror_dir, s.experiment)):
+            raise CheckpointError(why)
+        self.settings, self.rank, self.agree, self.signals, self.started = s, rank, agree, signals, started
+        self.root = storage.as_path(s.checkpoint_dir) / s.experiment
+        self.remote = storage.is_remote(self.root)
+        self.backend = make_backend(s.backend, rank, **s.backend_options)
+        if rank.is_main:
+            layout.ensure_writable(self.root)  # fail now, not at the first save hours from now
+        self.lease: run_lease.Lease | None = None  # rank 0 after take(); every rank after open() when there is one
+        self.manager: CheckpointManager | None = None
+        self.policy = None
+        self.state: CheckpointState | None = None
+        self._saved_at: int | None = None
+        self._failed_at: int | None = None  # --on-save-error continue: the final checkpoint must still exist
+
+    # --- the run directory ---------------------------------------------------------------------------------------
+    def take(self, before_force: Callable[[], None] = lambda: None) -> None:
+        """Rank 0: the run directory's lease (checkpoint/lease.py; none on object storage). A live holder is fenced only
+        with ``force_takeover``, and only after ``before_force()`` passed: what could still refuse this start (a start
+        refused after fencing would leave nothing running)."""
+        if not self.rank.is_main or self.remote:
+            return
+        try:
+            self.lease = run_lease.acquire(self.root)  # fences nothing that is alive
+        except run_lease.LeaseHeld:
+            if not self.settings.force_takeover:
+                raise
+            before_force()
+            self.lease = run_lease.acquire(self.root, force=True)
+
+    def peek(self, spec: str) -> tuple[int, RunInfo] | None:
+        """Read-only: the step ``spec`` resolves to now and the run_info saved with it, or None (nothing to resume)."""
+        if spec == "latest":
+            mirror = [storage.as_path(self.settings.mirror_dir) / self.settings.experiment] if self.settings.mirror_dir \
+                else []
+            info = layout.resolve_latest([self.root, *mirror], quiet=True)
+        else:
+            info = layout.resolve(self.root, spec, quiet=True)
+        if info is None:
+            return None
+        saved = RunInfo()
+        try:
+            saved.load_state_dict(section_reader(info.manifest["backend"])(info.path, info.manifest, "run_info"))
+        except (OSError, KeyError, ValueError, TypeError) as e:  # e.g. removed meanwhile by the live run's retention
+            raise CheckpointError(f"{info.path}: cannot read its run_info ({e}); nothing was taken over") from None
+        return info.step, saved
+
+    def open(self, spec: str | None, state: CheckpointState) -> int | None:
+        """Sweep what crashed incarnations left, then restore ``state`` from ``spec`` (`latest`, a step, a path; None:
+        start fresh). Returns the step (None: nothing loaded). Nothing the run committed has moved yet."""
+        s, main = self.settings, self.rank.is_main
+        # One id per incarnation (part records, staging folder) and the lease's generation (fencing), on every rank.
+        run_id = [uuid.uuid4().hex[:12], self.lease.generation if self.lease else 0] if main else [None, None]
+        if dist.is_initialized() and self.rank.world_size > 1:
+            dist.broadcast_object_list(run_id, src=0)
+        if self.lease is None and run_id[1]:
+            self.lease = run_lease.Lease(self.root, run_id[1])
+        if self.lease is not None and main:
+            self.lease.start_heartbeat()
+        mirror = None
+        if s.mirror_dir and main:
+            mirror = Mirror(storage.as_path(s.mirror_dir) / s.experiment, run_id=run_id[0], every=s.mirror_every,
+                            keep_every=s.keep_every, keep_best=s.keep_best, timeout_s=s.mirror_timeout_s,
+                            keep=s.keep if s.mirror_keep is None else s.mirror_keep)
+        self.manager = CheckpointManager(self.root, self.backend, self.rank, run_id=run_id[0], keep=s.keep,
+                                         keep_every=s.keep_every, keep_best=s.keep_best, lease=self.lease,
+                                         mirror=mirror)
+        self.state = state
+        return self.manager.open(spec, state)
+
+    @property
+    def loaded(self) -> layout.CheckpointInfo | None:
+        """What ``open`` restored (its manifest holds the card)."""
+        return self.manager.loaded if self.manager is not None else None
+
+    def follow(self, step: int | None) -> None:
+        """Continue from ``step`` (None: from scratch): newer checkpoints of a line the run no longer follows are
+        retired, so a later `latest` cannot jump back to them; the mirror starts; the stop policy is set up."""
+        self.manager.follow(step, keep_files=self.settings.keep_files)
+        main = self.rank.is_main
+        self.policy = step_boundary(self.settings.when, rank=self.rank.rank, agree=self.agree, signals=self.signals,
+                                    save_history=self.manager.history, start=self.started,
+                                    fenced=(lambda: self.manager.fenced) if main else None)
+
+    def start(self) -> None:
+        """Right before the loop: from now on a stop signal means 'save at the next step boundary and stop'."""
+        self.policy.start()
+
+    def release(self) -> None:
+        """Rank 0: the next start takes the run directory over without asking."""
+        if self.lease is not None and self.rank.is_main:
+            self.lease.release()
+
+    # --- the loop ------------------------------------------------------------------------------------------------
+    def wait_staged(self) -> None:
+        """Before ``optimizer.step()``: an asynchronous save still copying the state must finish before it changes."""
+        self.manager.wait_staged()
+
+    def step_boundary(self, step: int, describe: Callable[[], dict]) -> bool:
+        """Save if it is time (intervals, signals, walltime: one small all-reduce, the same decision on every rank);
+        ``describe()`` gives the checkpoint's manifest meta (its card). True: stop now -- saved just above, by every
+        rank at this step; ``close`` waits until it has committed."""
+        decision = self.policy(step)
+        try:
+            self.manager.poll()  # surface background save errors at a step boundary
+            if decision.save:
+                self.manager.save(step, self.state, meta=describe())
+                self._saved_at = step
+        except run_lease.Fenced:
+            pass  # a newer incarnation owns the run directory: the policy's next vote stops every rank, saving nothing
+        except CheckpointError as e:  # e.g. disk full
+            self._save_failed(e, step)
+        return decision.stop
+
+    def _save_failed(self, error: CheckpointError, step: int) -> None:
+        if self.settings.on_save_error == "stop":
+            raise error
+        _say(f"warning: {error}; training continues (--on-save-error continue), the next save retries")
+        self._failed_at = step
+
+    def just_in_time(self, *, reseed: Callable[[int], None], ensure_logged: Callable[[int], None],
+                     describe: Callable[[int], dict]) -> NoJIT:
+        """The phase hooks around a training step, and the save of the last completed step when a peer fails
+        (checkpoint/jit.py); inert unless ``jit``."""
+        if not self.settings.jit:
+            return NoJIT()
+        return JustInTime(self.manager, self.state, reseed=reseed, ensure_logged=ensure_logged, describe=describe)
+
+    # --- the end -------------------------------------------------------------------------------------------------
+    def close(self, step: int) -> tuple[str, str] | None:
+        """Wait until every save has committed. Returns (FENCED or FINAL_SAVE_FAILED, the line to say) when the run must
+        not report success; the same kind on every rank."""
+        try:
+            self.manager.close()
+        except CheckpointError as e:
+            self._save_failed(e, step)
+        # A newer incarnation took the run directory over (rank 0 knows): this one committed nothing since, and must
+        # neither requeue nor report success.
+        if self.agree(1.0 if self.manager.fenced else 0.0) > 0:
+            why = self.lease.fenced_message if self.lease is not None else "taken over"
+            return FENCED, f"error: stopped at step {step}: {why}"
+        if self._failed_at is not None and self._failed_at >= (self._saved_at or 0):
+            return FINAL_SAVE_FAILED, (f"error: training reached step {step} but its final checkpoint could not be "
+                                       f"saved (save failed at step {self._failed_at}); resume from `latest` repeats "
+                                       "the steps since")
+        return None
+
+    def finish(self, step: int) -> str:
+        """After ``close``: requeue if the policy says so (rank 0). The outcome, the same on every rank
+        (policy.FINISHED, REQUEUED, STOPPED or REQUEUE_FAILED)."""
+        return self.policy.finish(step, self.settings.when.final_step)
+
+    # --- what happened ---------------------------------------------------------------------------------------------
+    @property
+    def history(self) -> list[SaveRecord]:
+        return self.manager.history if self.manager is not None else []
+
+    @property
+    def load_seconds(self) -> float:
+        return self.manager.load_seconds if self.manager is not None else 0.0
+
+    def summary(self, run_seconds: float) -> str:
+        return self.manager.summary(run_seconds)
+
+    def local_log_dir(self, fallback: Path) -> Path:
+        """Where files that stay on local disk go (loss CSV, profiler traces): the run folder, or ``fallback`` when
+        the run folder is object storage."""
+        return fallback if self.remote else self.root
