@@ -121,7 +121,7 @@ class Metrics:
         self._interval.append(loss)
         self._row = {"step": step, "loss": repr(loss), "lr": repr(lr), "tokens_seen": tokens_seen, "restart": restarts}
         if self.writer and self.resumed_step is not None and step == self.resumed_step + 1:
-            _log.info(self.recovery_line())  # what the restart cost (README: recovery)
+            _log.info(self.recovery_line())  # what the restart cost (docs/checkpointing.md: restart cost)
         if self.csv:
             self.csv.row(**self._row, wall_time=f"{time.time():.3f}")
         tok_s = self.tokens_per_step / step_s if step_s > 0 else 0.0

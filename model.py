@@ -392,7 +392,7 @@ def estimate_peak_memory(config: ModelConfig, batch_size: int, seq_len: int, dty
     allocations (~30-50 MiB) and the freed memory glibc malloc keeps resident (tensors under its mmap threshold,
     which rises up to 32 MiB, come from the heap; the peak resident set grows over the first ~10-30 steps, then levels
     off). On CUDA the estimate is of tensor memory (torch.cuda.max_memory_allocated; the CUDA context and the caching
-    allocator's reserve are not counted). README "Pre-flight" states how far it is from measured peaks.
+    allocator's reserve are not counted). docs/training.md "Pre-flight checks" states how far it is from measured peaks.
     """
     c = config
     N, d, f, h, L, V = batch_size * seq_len, c.dim, c.ffn_dim, c.n_heads, c.n_layers, c.vocab_size

@@ -2,7 +2,7 @@
 
     python train.py --model small                                   # one process (CPU or one GPU)
     torchrun --nproc_per_node=4 train.py --distributed --model 1b   # DDP, one rank per GPU
-    sbatch submit-training-simple.sh --distributed                  # SLURM, see README
+    sbatch submit-training-simple.sh --distributed                  # SLURM, see docs/slurm.md
 
 Reads top to bottom: preflight (bad input refused before any training time is spent) -> the run (model, optimizer,
 data) -> checkpointing (state, manager, resume, stop policy) -> the loop -> finish. The flags are in flags.py, what is

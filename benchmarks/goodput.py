@@ -53,8 +53,8 @@ from tests.faults.harness import Run  # finds the launcher and every rank by PID
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
-# --eval-windows 0: the checkpoint path alone, as the figures in the README were measured (the card's evaluation
-# forward at each save is measured on its own, README "Validation by prediction").
+# --eval-windows 0: the checkpoint path alone, as the figures in docs/benchmarks.md were measured (the card's evaluation
+# forward at each save is measured on its own, docs/checkpointing.md "Validation by prediction").
 TRAIN_ARGS = ["--model", "small", "--batch-size", "2", "--sequence-length", "64", "--eval-windows", "0"]
 RANKS = 2
 KEEP_DIR = ROOT / "checkpoints" / "goodput"

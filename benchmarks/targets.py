@@ -202,7 +202,7 @@ def _train(args: list[str], env: dict) -> str:
 def train_args(model: str, dataset: str) -> list[str]:
     """The flags every run of sections 2 and 3 shares: a resume must repeat the flags the checkpoint recorded.
     --eval-windows 0: the checkpoint byte path alone; the card's held-out evaluation at each save (one forward pass)
-    is measured on its own (README "Validation by prediction")."""
+    is measured on its own (docs/checkpointing.md "Validation by prediction")."""
     return ["--model", model, "--batch-size", "2", "--sequence-length", "64", "--dataset", dataset,
             "--logging-frequency", "1000", "--eval-windows", "0"]
 

@@ -1,6 +1,6 @@
 """Pre-flight checks through the real CLI: bad numbers and configurations that cannot fit in memory are refused in one
 `error:` line with exit code 2 before any training time is spent, and the printed memory estimate agrees with the
-measured peak within the margin the README states."""
+measured peak within the margin docs/training.md states."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from helpers import ROOT, TINY, csv_rows, run_train
 
 
 def readme_margin() -> tuple[float, float]:
-    """The margin README.md states for the memory estimate: (below, above) the measured peak, in percent."""
-    text = (ROOT / "README.md").read_text()
+    """The margin docs/training.md states for the memory estimate: (below, above) the measured peak, in percent."""
+    text = (ROOT / "docs" / "training.md").read_text()
     m = re.search(r"the estimate is within -(\d+(?:\.\d+)?)%/\+(\d+(?:\.\d+)?)% of the measured peak", text)
-    assert m, "README.md must state the memory estimate's margin"
+    assert m, "docs/training.md must state the memory estimate's margin"
     return float(m.group(1)), float(m.group(2))
 
 
@@ -45,7 +45,7 @@ def test_memory_estimate_agrees_with_measured_peak(tmp_path, corpus, model, batc
     below, above = readme_margin()
     error = 100 * (estimate - measured) / measured
     assert -below <= error <= above, (f"{model} {batch}x{seq}: estimate {estimate} MiB vs measured {measured} MiB "
-                                      f"({error:+.1f}%), README margin -{below}%/+{above}%")
+                                      f"({error:+.1f}%), docs/training.md margin -{below}%/+{above}%")
 
 
 def test_estimate_counts_every_parameter():
