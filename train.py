@@ -5,7 +5,7 @@
     sbatch submit-training-simple.sh --distributed                  # SLURM, see docs/slurm.md
 
 Reads top to bottom: preflight (bad input refused before any training time is spent) -> the run (model, optimizer,
-data) -> checkpointing (state, manager, resume, stop policy) -> the loop -> finish. The flags are in flags.py, what is
+data) -> checkpointing (the state; a checkpoint.Session resumes and decides when to save) -> the loop -> finish. The flags are in flags.py, what is
 reported per step in metrics.py, the parallelism transform in distributed.py, and checkpointing in checkpoint/.
 """
 
@@ -50,15 +50,11 @@ import torch
 import torch.nn.functional as F
 
 import distributed
-from checkpoint import (CheckpointError, CheckpointState, ModelState, OptimizerState, RNGState, RunInfo, TrainState,
-                        knobs, layout, logs, storage)
-from checkpoint import lease as run_lease
-from checkpoint import policy as stop_policy
-from checkpoint import session as checkpointing
-from checkpoint.backends import capabilities
-from checkpoint.jit import NoJIT
-from checkpoint.export import model_config_from_hf, read_hf
-from checkpoint.state import unwrap_model
+from checkpoint import (EVERY_RANK, FENCED, FINISHED, REQUEUE_FAILED, REQUEUED, STOPPED, CheckpointError,
+                        CheckpointState, Fenced, ModelState, OptimizerState, RNGState, RunInfo, Session, Settings,
+                        SignalWatcher, TrainState, When, capabilities, install_signal_handlers, knobs, setup_logging,
+                        unwrap_model)
+from checkpoint.export import model_config_from_hf, read_hf  # Hugging Face Llama <-> model.py names (one table)
 from dataset import DataError, TrainLoader, fingerprint, hold_out, load_token_windows, load_tokenizer
 from dataset import is_sharded, load_sharded_windows, token_parts
 from evaluation import EVAL_BATCH, CardMaker, batch_loss, check_prediction, evaluate, run_layout
@@ -70,7 +66,7 @@ from model import (PRESETS, MemoryEstimate, ModelConfig, Transformer, estimate_p
                    get_config)
 
 _T_IMPORTED = time.monotonic()
-log = logging.getLogger("pyrecover")  # rank 0's lines; extra=logs.EVERY_RANK for every rank's (checkpoint/logs.py)
+log = logging.getLogger("pyrecover")  # rank 0's lines; extra=EVERY_RANK for every rank's (checkpoint/logs.py)
 
 __version__ = "0.1.0"
 
@@ -89,10 +85,10 @@ EXIT_FENCED = 6  # this incarnation lost the run directory's lease (checkpoint/l
 #: how a run ends -> exit code: the stop policy's outcomes, then the errors that are the user's to fix (one line each).
 #: Any other exception is a bug and shows its traceback.
 EXIT_FOR = {
-    stop_policy.FINISHED: EXIT_FINISHED, stop_policy.REQUEUED: EXIT_REQUEUE, stop_policy.STOPPED: EXIT_STOPPED,
-    stop_policy.REQUEUE_FAILED: EXIT_REQUEUE_FAILED,
+    FINISHED: EXIT_FINISHED, REQUEUED: EXIT_REQUEUE, STOPPED: EXIT_STOPPED,
+    REQUEUE_FAILED: EXIT_REQUEUE_FAILED,
     BadInput: EXIT_BAD_INPUT, DataError: EXIT_BAD_INPUT, distributed.LaunchError: EXIT_BAD_INPUT,
-    run_lease.Fenced: EXIT_FENCED, CheckpointError: EXIT_FAILED,
+    Fenced: EXIT_FENCED, CheckpointError: EXIT_FAILED,
 }
 USER_ERRORS = tuple(k for k in EXIT_FOR if isinstance(k, type))
 
@@ -135,35 +131,39 @@ class Checked:
     windows: object  # what training reads
     config: object
     held_out: object  # the --eval-windows training never sees (evaluation.py), or None
-    session: checkpointing.Session  # the run's checkpointing (its lease once every rank passed preflight)
+    session: Session  # the run's checkpointing (its lease once every rank passed preflight)
     init_weights: dict | None = None  # --init-from's tensors by model.py name, until build_run copies them in
 
 
-def preflight(args: argparse.Namespace, env: distributed.DistEnv, signals: stop_policy.SignalWatcher,
+def preflight(args: argparse.Namespace, env: distributed.DistEnv, signals: SignalWatcher,
               started: float) -> Checked:
     """Everything that can be wrong with the user's input, checked on every rank before any collective or training
     time: the flags first (numbers, combinations, paths: instant), then the memory the configuration needs (as soon as
     the tokenizer gives the vocabulary), then the data (tokenizing may take minutes), then the checkpoint directory.
     Nothing is taken yet: the run directory's lease comes after every rank passed (Session.take)."""
-    tokenizer, windows, config, held_out = check_inputs(args, env)
-    session = checkpointing.Session(checkpoint_settings(args, env), env, signals=signals, started=started,
+    check_flags(args, writes_csv=env.is_main)
+    if env.is_main:  # only rank 0 logs to a tracker: a missing package is found now, not after the data loaded
+        trackers.check(args)
+    session = Session(checkpoint_settings(args, env), env, signals=signals, started=started,
                                     agree=lambda v: distributed.all_reduce_max(v, env))
+    tokenizer, windows, config, held_out = check_inputs(args, env, session)
+    session.check_writable()
     checked = Checked(tokenizer, windows, config, held_out, session)
     checked.init_weights = init_from_weights(args)
     return checked
 
 
-def checkpoint_settings(args: argparse.Namespace, env: distributed.DistEnv) -> checkpointing.Settings:
+def checkpoint_settings(args: argparse.Namespace, env: distributed.DistEnv) -> Settings:
     """The flags as the checkpoint session takes them."""
     # The other ranks wait in a collective while rank 0 waits for the final mirror copy: stay inside its timeout.
     mirror_wait = args.mirror_timeout if env.world_size == 1 else min(args.mirror_timeout,
                                                                       0.8 * (args.pg_timeout_seconds or 600.0))
-    when = stop_policy.When(every_steps=args.checkpoint_frequency, final_step=args.training_steps,
+    when = When(every_steps=args.checkpoint_frequency, final_step=args.training_steps,
                             every_minutes=args.checkpoint_interval_minutes,
                             walltime_aware=args.timeaware_checkpointing, walltime_s=args.walltime,
                             walltime_margin_s=args.walltime_margin_seconds, requeue=args.requeue,
                             max_restarts=args.max_restarts)
-    return checkpointing.Settings(
+    return Settings(
         checkpoint_dir=args.checkpoint_dir, experiment=args.experiment_name, backend=args.checkpoint_backend,
         backend_options=backend_options(args, env), sharded=args.distributed and args.parallel == "fsdp",
         async_save=args.async_checkpoint, jit=args.jit_checkpoint, keep=args.max_kept_checkpoints,
@@ -173,7 +173,7 @@ def checkpoint_settings(args: argparse.Namespace, env: distributed.DistEnv) -> c
         mirror_timeout_s=mirror_wait, force_takeover=args.force_takeover, on_save_error=args.on_save_error, when=when)
 
 
-def check_resume(args: argparse.Namespace, session: checkpointing.Session) -> None:
+def check_resume(args: argparse.Namespace, session: Session) -> None:
     """The flags against the checkpoint --resume-from-checkpoint will load (flags.check_resume_flags), read-only: what
     the load refuses, refused before a live run is fenced (--force-takeover). The load checks again (a run still
     training may commit a newer checkpoint in between; its refused flags are the same)."""
@@ -182,18 +182,15 @@ def check_resume(args: argparse.Namespace, session: checkpointing.Session) -> No
         check_resume_flags(args, saved, step)
 
 
-def check_inputs(args: argparse.Namespace, env: distributed.DistEnv):
-    """The flags (numbers, combinations, paths), flash-attn, the memory the configuration needs, and the data. Returns
-    (tokenizer, training windows, model config, held-out windows or None)."""
-    check_flags(args, writes_csv=env.is_main)
-    if env.is_main:  # only rank 0 logs to a tracker: a missing package is found now, not after the data loaded
-        trackers.check(args)
+def check_inputs(args: argparse.Namespace, env: distributed.DistEnv, session: Session | None = None):
+    """flash-attn, the memory the configuration needs, and the data. Returns (tokenizer, training windows, model
+    config, held-out windows or None)."""
     if args.use_flash_attention and (problem := flash_attention_problem(env.device)):
         raise BadInput(problem)
     tokenizer = load_tokenizer(args.tokenizer_name_or_path)
     config = model_config(args, tokenizer)
     check_memory(args, env, config)
-    windows, held_out = hold_out(load_data(args, env, tokenizer), args.eval_windows)
+    windows, held_out = hold_out(load_data(args, env, tokenizer, session), args.eval_windows)
     if len(windows) < args.batch_size * env.world_size:
         raise BadInput(
             f"--sequence-length {args.sequence_length} leaves {len(windows)} training samples in {args.dataset} "
@@ -254,7 +251,7 @@ def init_from_weights(args: argparse.Namespace) -> dict | None:
     return tensors
 
 
-def load_data(args: argparse.Namespace, env: distributed.DistEnv, tokenizer):
+def load_data(args: argparse.Namespace, env: distributed.DistEnv, tokenizer, session: Session | None):
     """--dataset's windows. A folder or glob: the ranks tokenize its shards together (dataset.load_sharded_windows), and
     a resumed run reads the shards its checkpoint records, whatever was added since."""
     if not is_sharded(args.dataset):
@@ -262,34 +259,15 @@ def load_data(args: argparse.Namespace, env: distributed.DistEnv, tokenizer):
     return load_sharded_windows(args.dataset, tokenizer, args.sequence_length, cache_dir=args.data_cache_dir,
                                 rank=env.rank, world_size=env.world_size,
                                 exchange=lambda error: distributed.first_error(error, env),
-                                recorded=recorded_shards(args))
+                                recorded=recorded_shards(args, session))
 
 
-def recorded_shards(args: argparse.Namespace) -> list | None:
+def recorded_shards(args: argparse.Namespace, session: Session | None) -> list | None:
     """The shard list in the card of the checkpoint --resume-from-checkpoint names (read, not verified: the load
     verifies it, and compares the data's fingerprint), or None (no resume, none found, an older card)."""
-    if not args.resume_from_checkpoint:
-        return None
-    run_root = storage.as_path(args.checkpoint_dir) / args.experiment_name
-    spec = args.resume_from_checkpoint
-    try:
-        if spec == "latest":
-            roots = [run_root] + ([storage.as_path(args.mirror_dir) / args.experiment_name] if args.mirror_dir else [])
-            found = sorted((i for r in roots for i in layout.list_checkpoints(r) if i.committed),
-                           key=lambda i: i.step, reverse=True)
-            step_dirs = [i.path for i in found]
-        else:
-            step_dirs = [run_root / layout.step_dir_name(int(spec)) if spec.isdigit() else storage.as_path(spec)]
-        for step_dir in step_dirs:
-            try:
-                card = layout.read_manifest(step_dir).get("meta", {}).get("card", {})
-            except CheckpointError:
-                continue  # the load skips it too, or names the problem
-            data = card.get("data") if isinstance(card, dict) else None  # a malformed card: the load names it
-            return data.get("shards") if isinstance(data, dict) else None
-    except (OSError, CheckpointError):  # a location that cannot be read now is the load's to report, in its words
-        pass
-    return None
+    card = session.peek_card(args.resume_from_checkpoint) if session and args.resume_from_checkpoint else None
+    data = card.get("data") if card else None
+    return data.get("shards") if isinstance(data, dict) else None
 
 
 def backend_options(args: argparse.Namespace, env: distributed.DistEnv) -> dict:
@@ -504,7 +482,7 @@ def data_fingerprint(checked: Checked) -> str:
     return fingerprint(*token_parts(checked.windows), *token_parts(checked.held_out))
 
 
-def check_same_data(args: argparse.Namespace, run: Run, checked: Checked, info: layout.CheckpointInfo) -> None:
+def check_same_data(args: argparse.Namespace, run: Run, checked: Checked, info) -> None:
     """Resume only on the data the checkpoint was trained on: its card's fingerprint against this run's tokens. Every
     rank hashes the data it reads and the ranks agree, so all refuse together (a node with another copy included)."""
     card_data = info.manifest.get("meta", {}).get("card", {}).get("data", {})
@@ -522,7 +500,7 @@ def check_same_data(args: argparse.Namespace, run: Run, checked: Checked, info: 
                    "data it was trained on, or start a new --experiment_name to train on this data")
 
 
-def validate_loaded(args: argparse.Namespace, run: Run, info: layout.CheckpointInfo) -> None:
+def validate_loaded(args: argparse.Namespace, run: Run, info) -> None:
     """--validate-on-resume: the loaded weights must predict the probe batch as they did at save time (every rank
     computes it: the same answer everywhere, so all refuse together)."""
     knobs.swap_after_load(unwrap_model(run.model))  # test-only: a wrong load that passes every checksum
@@ -543,7 +521,7 @@ def validate_loaded(args: argparse.Namespace, run: Run, info: layout.CheckpointI
     log.info(f"validate-on-resume: step {info.step} OK, {line}")
 
 
-def build_metrics(args: argparse.Namespace, run: Run, session: checkpointing.Session, resumed: int | None,
+def build_metrics(args: argparse.Namespace, run: Run, session: Session, resumed: int | None,
                   tokenizer) -> Metrics:
     # The loss CSV and profiler traces stay on local disk: next to the checkpoints, or ./logs/<experiment> for s3://.
     log_dir = session.local_log_dir(Path("logs") / args.experiment_name)
@@ -576,10 +554,10 @@ def build_metrics(args: argparse.Namespace, run: Run, session: checkpointing.Ses
                    save_records=lambda: session.history)
 
 
-def build_jit(args: argparse.Namespace, run: Run, session: checkpointing.Session, metrics: Metrics, describe) -> NoJIT:
+def build_jit(args: argparse.Namespace, run: Run, session: Session, metrics: Metrics, describe) -> object:
     """--jit-checkpoint: a surviving rank saves the last completed step when a peer fails (checkpoint/jit.py)."""
     if args.jit_checkpoint:
-        log.info(f"jit: just-in-time checkpointing on (rank {run.env.rank})", extra=logs.EVERY_RANK)
+        log.info(f"jit: just-in-time checkpointing on (rank {run.env.rank})", extra=EVERY_RANK)
     return session.just_in_time(reseed=lambda r: seed_everything(args.seed + r), ensure_logged=metrics.ensure_logged,
                                 describe=lambda step: describe(step, metrics))
 
@@ -637,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()  # --walltime counts from here
     # Then the handlers: SLURM's warning must not kill us during setup. A SIGTERM in setup ends the process at once
     # (os._exit: an exception raised from a handler can be turned into another one by the code it interrupts).
-    signals = stop_policy.install_signal_handlers(args.signal, exit_process=os._exit)
+    signals = install_signal_handlers(args.signal, exit_process=os._exit)
     try:
         return train(args, signals, started)
     finally:
@@ -663,10 +641,10 @@ def agreed(env: distributed.DistEnv, check):
     return result
 
 
-def train(args: argparse.Namespace, signals: stop_policy.SignalWatcher, started: float) -> int:
+def train(args: argparse.Namespace, signals: SignalWatcher, started: float) -> int:
     t_start = time.perf_counter()
     env = distributed.init(args.distributed)
-    logs.setup(env.rank)
+    setup_logging(env.rank)
     # Bad input is found on every rank before any collective; then the ranks agree, so none waits for another. Only
     # then does rank 0 take the run directory (a refusal after a --force-takeover would leave no run training).
     try:
@@ -686,7 +664,7 @@ def train(args: argparse.Namespace, signals: stop_policy.SignalWatcher, started:
         return EXIT_BAD_INPUT
     if env.is_main:  # every flag's final value (command line, --config, defaults); rewritten, atomically, each start
         try:
-            storage.write_bytes(session.root / RESOLVED_CONFIG, resolved_config(args))
+            session.write_record(RESOLVED_CONFIG, resolved_config(args))
         except OSError as e:  # a record, not state: the card has the flags too, and a failing disk stops the next save
             say(f"warning: could not write {session.root / RESOLVED_CONFIG} ({e.strerror or e}); training continues")
     describe = documenter(args, run, checked, started)
@@ -729,7 +707,7 @@ def train(args: argparse.Namespace, signals: stop_policy.SignalWatcher, started:
         return EXIT_REQUEUE
     if problem is not None:
         kind, line = problem
-        if kind == checkpointing.FENCED:  # this incarnation changed nothing since it was fenced: it only leaves
+        if kind == FENCED:  # this incarnation changed nothing since it was fenced: it only leaves
             if env.is_main:
                 say(line)
             distributed.shutdown(env)
@@ -740,7 +718,7 @@ def train(args: argparse.Namespace, signals: stop_policy.SignalWatcher, started:
     return finish(args, run, session, metrics, time.perf_counter() - t_start, time.perf_counter() - t_loop)
 
 
-def finish(args: argparse.Namespace, run: Run, session: checkpointing.Session, metrics: Metrics, run_s: float,
+def finish(args: argparse.Namespace, run: Run, session: Session, metrics: Metrics, run_s: float,
            loop_s: float) -> int:
     """After the last checkpoint committed: check the replicas, report, requeue if the policy says so, exit code."""
     env = run.env

@@ -4,7 +4,8 @@ touches bytes; the caller never sees either.
 
 The life of a run, every call on every rank unless noted:
 
-    session = Session(settings, rank, agree=...)   # refusals first: backend combination, mirror place, writability
+    session = Session(settings, rank, agree=...)   # refusals first: backend combination, mirror place
+    session.check_writable()                       # rank 0: the run folder can be written
     session.take(before_force=...)                 # rank 0: the lease; a live holder is fenced only with force
     step = session.open(spec, state)               # crashed incarnations' leftovers swept, ``spec`` loaded (or None)
     ...                                            # the caller checks the loaded checkpoint; nothing moved yet
@@ -74,8 +75,9 @@ def _say(line: str) -> None:
 class Session:
     def __init__(self, settings: Settings, rank: RankInfo, *, agree: Callable[[float], float],
                  signals: SignalWatcher | None = None, started: float | None = None):
-        """Refuse, in one line (CheckpointError), what cannot work, before any training time is spent. ``agree(x)``:
-        the maximum of ``x`` over all ranks (an all-reduce; identity for one process)."""
+        """Refuse, in one line (CheckpointError), what cannot work with these settings (no file is touched: see
+        ``check_writable``). ``agree(x)``: the maximum of ``x`` over all ranks (an all-reduce; identity for one
+        process)."""
         s = settings
         check_combination(s.backend, sharded=s.sharded, checkpoint_dir=s.checkpoint_dir, async_save=s.async_save,
                           jit=s.jit)
@@ -85,8 +87,6 @@ class Session:
         self.root = storage.as_path(s.checkpoint_dir) / s.experiment
         self.remote = storage.is_remote(self.root)
         self.backend = make_backend(s.backend, rank, **s.backend_options)
-        if rank.is_main:
-            layout.ensure_writable(self.root)  # fail now, not at the first save hours from now
         self.lease: run_lease.Lease | None = None  # rank 0 after take(); every rank after open() when there is one
         self.manager: CheckpointManager | None = None
         self.policy = None
@@ -95,6 +95,12 @@ class Session:
         self._failed_at: int | None = None  # --on-save-error continue: the final checkpoint must still exist
 
     # --- the run directory ---------------------------------------------------------------------------------------
+    def check_writable(self) -> None:
+        """Rank 0: fail now, not at the first save hours from now, if the run folder cannot be written (made if
+        missing)."""
+        if self.rank.is_main:
+            layout.ensure_writable(self.root)
+
     def take(self, before_force: Callable[[], None] = lambda: None) -> None:
         """Rank 0: the run directory's lease (checkpoint/lease.py; none on object storage). A live holder is fenced only
         with ``force_takeover``, and only after ``before_force()`` passed: what could still refuse this start (a start
@@ -109,12 +115,15 @@ class Session:
             before_force()
             self.lease = run_lease.acquire(self.root, force=True)
 
+    def _roots(self) -> list:
+        """Where `latest` is looked for: the run folder, then the mirror's."""
+        s = self.settings
+        return [self.root] + ([storage.as_path(s.mirror_dir) / s.experiment] if s.mirror_dir else [])
+
     def peek(self, spec: str) -> tuple[int, RunInfo] | None:
         """Read-only: the step ``spec`` resolves to now and the run_info saved with it, or None (nothing to resume)."""
         if spec == "latest":
-            mirror = [storage.as_path(self.settings.mirror_dir) / self.settings.experiment] if self.settings.mirror_dir \
-                else []
-            info = layout.resolve_latest([self.root, *mirror], quiet=True)
+            info = layout.resolve_latest(self._roots(), quiet=True)
         else:
             info = layout.resolve(self.root, spec, quiet=True)
         if info is None:
@@ -125,6 +134,27 @@ class Session:
         except (OSError, KeyError, ValueError, TypeError) as e:  # e.g. removed meanwhile by the live run's retention
             raise CheckpointError(f"{info.path}: cannot read its run_info ({e}); nothing was taken over") from None
         return info.step, saved
+
+    def peek_card(self, spec: str) -> dict | None:
+        """The card of the checkpoint ``spec`` would load, read but not verified (the load verifies it), or None: for
+        what must be known before the state exists (e.g. the dataset's shard list). A location that cannot be read now
+        is the load's to report, in its words."""
+        try:
+            if spec == "latest":
+                found = sorted((i for r in self._roots() for i in layout.list_checkpoints(r) if i.committed),
+                               key=lambda i: i.step, reverse=True)
+                step_dirs = [i.path for i in found]
+            else:
+                step_dirs = [self.root / layout.step_dir_name(int(spec)) if spec.isdigit() else storage.as_path(spec)]
+            for step_dir in step_dirs:
+                try:
+                    card = layout.read_manifest(step_dir).get("meta", {}).get("card", {})
+                except CheckpointError:
+                    continue  # the load skips it too, or names the problem
+                return card if isinstance(card, dict) else None  # a malformed card: the load names it
+        except (OSError, CheckpointError):
+            pass
+        return None
 
     def open(self, spec: str | None, state: CheckpointState) -> int | None:
         """Sweep what crashed incarnations left, then restore ``state`` from ``spec`` (`latest`, a step, a path; None:
@@ -166,6 +196,10 @@ class Session:
     def start(self) -> None:
         """Right before the loop: from now on a stop signal means 'save at the next step boundary and stop'."""
         self.policy.start()
+
+    def write_record(self, name: str, data: bytes) -> None:
+        """Rank 0: a small file of the run's own in the run folder (e.g. the resolved flags), written atomically."""
+        storage.write_bytes(self.root / name, data)
 
     def release(self) -> None:
         """Rank 0: the next start takes the run directory over without asking."""
