@@ -154,7 +154,7 @@ def validate_checkpoint(step_dir: Path, manifest: dict, device: str = "cpu") -> 
     any world size), recompute the probe loss in one process on ``device`` and compare. Raises CheckpointError when
     the checkpoint holds nothing to compare with."""
     import distributed
-    from checkpoint.errors import CheckpointError
+    from checkpoint.errors import CheckpointError, first_line
     from checkpoint.reader import read_section
     from model import ModelConfig, Transformer
 
@@ -175,14 +175,14 @@ def validate_checkpoint(step_dir: Path, manifest: dict, device: str = "cpu") -> 
         model.load_state_dict(weights, strict=True)
     except RuntimeError as e:
         raise CheckpointError(f"{step_dir}: the weights do not fit the model of its card: "
-                              f"{str(e).splitlines()[0]}") from None
+                              f"{first_line(e)}") from None
     try:
         device = torch.device(device)
         model.to(device)
         here = {"device": device.type, "dtype": dtype, "attention": "sdpa", "world_size": 1, "parallel": "none",
                 "hardware": hardware(device), "torch": str(torch.__version__)}
     except (RuntimeError, AssertionError) as e:  # e.g. --device cuda on a machine without one
-        raise CheckpointError(f"cannot validate on device {device}: {str(e).splitlines()[0]}; use --device cpu") from None
+        raise CheckpointError(f"cannot validate on device {device}: {first_line(e)}; use --device cpu") from None
     autocast = (torch.autocast(device_type=here["device"], dtype=distributed.DTYPES[dtype])
                 if dtype in ("bf16", "fp16") else torch.autocast(here["device"], enabled=False))
     probe = torch.tensor(card["eval"]["probe_tokens"], dtype=torch.long)

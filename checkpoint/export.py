@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from . import fsio, layout, storage
-from .errors import CheckpointError
+from .errors import CheckpointError, first_line
 from .reader import flatten, locate, section_reader
 
 _log = logging.getLogger(__name__)
@@ -252,7 +252,7 @@ def read_hf(folder) -> tuple[dict, dict[str, torch.Tensor]]:
         try:
             theirs.update(safetensors.torch.load_file(path))
         except Exception as e:  # safetensors' own error types; a truncated or foreign file
-            raise CheckpointError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
+            raise CheckpointError(f"{path}: not a readable safetensors file ({first_line(e)})") from None
     if config["tie_embeddings"] and "lm_head.weight" in theirs:  # some savers keep the tied copy
         if not torch.equal(theirs["lm_head.weight"], theirs.get("model.embed_tokens.weight", torch.empty(0))):
             raise CheckpointError(f"{folder}: config.json ties the embeddings but lm_head.weight differs from "

@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from . import layout
-from .errors import CheckpointError
+from .errors import CheckpointError, first_line
 from .lease import Fenced
 from .fsio import atomic_write_bytes
 from .logs import EVERY_RANK
@@ -94,7 +94,7 @@ def is_peer_failure(exc: BaseException) -> bool:
 
 def one_line(exc: BaseException) -> str:
     """First line of an error, without gloo's source-location prefix and advice tail."""
-    text = (str(exc).strip().splitlines() or [""])[0]
+    text = first_line(exc, 1000) if str(exc).strip() else ""
     text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text).split(". This is typically")[0]
     return f"{type(exc).__name__}: {text[:160]}"
 

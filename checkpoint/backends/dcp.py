@@ -70,7 +70,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _Em
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
 from .. import layout, storage
-from ..errors import CheckpointError
+from ..errors import CheckpointError, first_line
 from ..fsio import ChecksumWriter, MemoryFile, real_io_errors
 from ..knobs import fault_point
 from ..state import TENSOR_SECTIONS as TENSOR_KEYS, CheckpointState, check_compatible
@@ -290,10 +290,6 @@ def _leaf_errors(e: BaseException) -> list[BaseException]:
     return [v[0] if isinstance(v, tuple) else v for _, v in sorted(failures.items())] or [e]
 
 
-def _first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
-
-
 def _save_error(e: BaseException, step_dir) -> BaseException:
     """A failed DCP save as what the manager reports in one line: OSError (disk full, S3 errors) or CheckpointError."""
     leaves = _leaf_errors(e)
@@ -302,7 +298,7 @@ def _save_error(e: BaseException, step_dir) -> BaseException:
             return leaf
         if type(leaf).__name__ == "S3Exception":
             return storage.s3_error(leaf, str(step_dir))
-    return CheckpointError(f"saving {step_dir} with DCP failed: {_first_line(leaves[0])}")
+    return CheckpointError(f"saving {step_dir} with DCP failed: {first_line(leaves[0], 200, typed=True)}")
 
 
 def _load_error(e: BaseException, step_dir) -> CheckpointError:
@@ -313,7 +309,7 @@ def _load_error(e: BaseException, step_dir) -> CheckpointError:
         leaf = storage.s3_error(leaf, str(step_dir))
     if isinstance(leaf, OSError):
         return CheckpointError(f"cannot read {leaf.filename or step_dir}: {leaf.strerror or leaf}")
-    return CheckpointError(f"loading {step_dir} with DCP failed: {_first_line(leaf)}")
+    return CheckpointError(f"loading {step_dir} with DCP failed: {first_line(leaf, 200, typed=True)}")
 
 
 def read_metadata(step_dir, manifest: dict):

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .. import layout, storage
-from ..errors import CheckpointError
+from ..errors import CheckpointError, first_line
 from ..fsio import MemoryFile, atomic_write, fsync_dir
 from ..logs import EVERY_RANK
 from ..state import CheckpointState
@@ -64,15 +64,14 @@ def load_weights_only(f, where: str, *, map_location: Any = "cpu", mmap: bool = 
     try:
         return torch.load(f, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "pickle error"
         raise CheckpointError(
-            f"refusing to load {where}: it contains pickled Python objects, not just tensors ({first[:160]}); "
+            f"refusing to load {where}: it contains pickled Python objects, not just tensors ({first_line(e)}); "
             "a checkpoint must load with weights_only=True"
         ) from None
     except OSError as e:
         raise CheckpointError(f"cannot read {where}: {e.strerror or e}") from None
     except (RuntimeError, EOFError, ValueError) as e:
-        raise CheckpointError(f"{where} is not a readable torch file ({(str(e).splitlines() or [''])[0][:160]})") from None
+        raise CheckpointError(f"{where} is not a readable torch file ({first_line(e)})") from None
 
 
 def safe_load(path: Path, record: dict | None = None, algorithm: str = "", *, mmap: bool = False) -> Any:
