@@ -1,7 +1,7 @@
 """The command line of train.py: every flag, and the checks of their values that need nothing loaded.
 
-Also the rules for flags that differ from the checkpoint's on resume (docs/checkpointing.md "Changing flags on resume"): which take
-effect from the resumed step and which are refused.
+Also the rules for flags that differ from the checkpoint's on resume (docs/checkpointing.md "Changing flags on
+resume"): which take effect from the resumed step and which are refused.
 """
 
 from __future__ import annotations
@@ -363,9 +363,9 @@ def check_numeric_flags(args: argparse.Namespace) -> None:
                        f"{args.profile_step_start}; give an end step >= the start step")
 
 
-# Flags that may differ from the checkpoint's on resume (docs/checkpointing.md "Changing flags on resume"). APPLIED: they take effect
-# from the resumed step on, each named in one line. REFUSED (with why): the checkpoint's weights, data position and RNG
-# were made with the saved value, so a new one could not apply -- exit 2 instead of a half-applied run.
+# Flags that may differ from the checkpoint's on resume (docs/checkpointing.md "Changing flags on resume"). APPLIED:
+# they take effect from the resumed step on, each named in one line. REFUSED (with why): the checkpoint's weights, data
+# position and RNG were made with the saved value, so a new one could not apply -- exit 2 instead of a half-applied run.
 RESUME_APPLIED = ("learning_rate", "lr_warmup_steps", "training_steps", "grad_max_norm", "fused_optimizer", "compile",
                   "batch_size")
 RESUME_REFUSED = (("model", "the weights are that model's"),

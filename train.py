@@ -5,8 +5,9 @@
     sbatch submit-training-simple.sh --distributed                  # SLURM, see docs/slurm.md
 
 Reads top to bottom: preflight (bad input refused before any training time is spent) -> the run (model, optimizer,
-data) -> checkpointing (the state; a checkpoint.Session resumes and decides when to save) -> the loop -> finish. The flags are in flags.py, what is
-reported per step in metrics.py, the parallelism transform in distributed.py, and checkpointing in checkpoint/.
+data) -> checkpointing (the state; a checkpoint.Session resumes and decides when to save) -> the loop -> finish. The
+flags are in flags.py, what is reported per step in metrics.py, the parallelism transform in distributed.py, and
+checkpointing in checkpoint/.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ if __name__ == "__main__":
     # SLURM's warning signal can come while the imports below run (seconds; tens on a busy node), and its default
     # action kills the process: hold USR1/USR2 pending until the stop policy's handlers exist (SignalWatcher.install
     # releases them, and a held signal is delivered to the handler then).
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})  # = policy.HELD_SIGNALS (it imports torch)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})  # policy.HELD_SIGNALS; it imports torch
     # Ctrl-C or SIGTERM during the imports: nothing to save yet -- one line and 128 + the signal as SignalWatcher does
     # later (its handlers replace these), no traceback.
     def _nothing_to_save(signum: int, _frame) -> None:
@@ -85,8 +86,7 @@ EXIT_FENCED = 6  # this incarnation lost the run directory's lease (checkpoint/l
 #: how a run ends -> exit code: the stop policy's outcomes, then the errors that are the user's to fix (one line each).
 #: Any other exception is a bug and shows its traceback.
 EXIT_FOR = {
-    FINISHED: EXIT_FINISHED, REQUEUED: EXIT_REQUEUE, STOPPED: EXIT_STOPPED,
-    REQUEUE_FAILED: EXIT_REQUEUE_FAILED,
+    FINISHED: EXIT_FINISHED, REQUEUED: EXIT_REQUEUE, STOPPED: EXIT_STOPPED, REQUEUE_FAILED: EXIT_REQUEUE_FAILED,
     BadInput: EXIT_BAD_INPUT, DataError: EXIT_BAD_INPUT, distributed.LaunchError: EXIT_BAD_INPUT,
     Fenced: EXIT_FENCED, CheckpointError: EXIT_FAILED,
 }
@@ -145,7 +145,7 @@ def preflight(args: argparse.Namespace, env: distributed.DistEnv, signals: Signa
     if env.is_main:  # only rank 0 logs to a tracker: a missing package is found now, not after the data loaded
         trackers.check(args)
     session = Session(checkpoint_settings(args, env), env, signals=signals, started=started,
-                                    agree=lambda v: distributed.all_reduce_max(v, env))
+                      agree=lambda v: distributed.all_reduce_max(v, env))
     tokenizer, windows, config, held_out = check_inputs(args, env, session)
     session.check_writable()
     checked = Checked(tokenizer, windows, config, held_out, session)
@@ -159,10 +159,9 @@ def checkpoint_settings(args: argparse.Namespace, env: distributed.DistEnv) -> S
     mirror_wait = args.mirror_timeout if env.world_size == 1 else min(args.mirror_timeout,
                                                                       0.8 * (args.pg_timeout_seconds or 600.0))
     when = When(every_steps=args.checkpoint_frequency, final_step=args.training_steps,
-                            every_minutes=args.checkpoint_interval_minutes,
-                            walltime_aware=args.timeaware_checkpointing, walltime_s=args.walltime,
-                            walltime_margin_s=args.walltime_margin_seconds, requeue=args.requeue,
-                            max_restarts=args.max_restarts)
+                every_minutes=args.checkpoint_interval_minutes, walltime_aware=args.timeaware_checkpointing,
+                walltime_s=args.walltime, walltime_margin_s=args.walltime_margin_seconds, requeue=args.requeue,
+                max_restarts=args.max_restarts)
     return Settings(
         checkpoint_dir=args.checkpoint_dir, experiment=args.experiment_name, backend=args.checkpoint_backend,
         backend_options=backend_options(args, env), sharded=args.distributed and args.parallel == "fsdp",

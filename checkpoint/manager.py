@@ -14,7 +14,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch.distributed as dist
 
@@ -347,17 +346,8 @@ class CheckpointManager:
         )
         return info.step
 
-    def begin(self, spec: str | None, state: CheckpointState, *, keep_files: tuple[str, ...] = (),
-              after_load: Callable[[int | None], None] | None = None) -> int | None:
-        """Open the run directory for this incarnation: clean up after crashed ones, restore ``state`` from ``spec``
-        (None: start fresh), and retire checkpoints newer than the step the run continues from, so `latest` follows
-        this line. Returns the resumed step (None: fresh start). ``open`` and ``follow`` are its two halves."""
-        step = self.open(spec, state)
-        if after_load is not None:  # e.g. refusing a flag the checkpoint cannot take: before anything moves
-            after_load(step)
-        self.follow(step, keep_files=keep_files)
-        return step
-
+    # An incarnation opens the run directory in two halves, so the caller can check what was loaded before anything
+    # moves: ``open`` (sweep, load), then ``follow`` (retire the line it no longer follows).
     def open(self, spec: str | None, state: CheckpointState) -> int | None:
         """Clean up after crashed incarnations, then restore ``state`` from ``spec`` (None: start fresh). Nothing the
         run had committed moves yet: a caller refusing the loaded checkpoint leaves the folder as it found it."""

@@ -3,7 +3,7 @@
 The end-to-end tests (test_checkpoint, test_faults, ...) run the real CLI in subprocesses; these pin down, one rule per
 test, what the manager and the on-disk layout guarantee about order: what retention may delete and when, that COMMITTED
 is written last and `latest` only returns what verifies, how a background error surfaces, what ``wait_staged`` and
-``close`` wait for, and what ``begin`` / ``publish`` move, sweep or keep.
+``close`` wait for, and what ``open`` / ``follow`` / ``publish`` move, sweep or keep.
 
 The fake backend writes tiny files in the vanilla backend's format (so ``load`` restores them) and returns a payload
 handle the test controls through a ``Gate``: its save is not staged until the test says so, not durable until the test
@@ -529,10 +529,10 @@ def test_close_waits_for_everything_in_flight_then_closes_the_backend(root, make
     assert not (root / f".staging-{RUN}").exists()  # our staging folder, empty once every save is published
 
 
-# --- begin: sweep, retire --------------------------------------------------------------------------------------------
+# --- open and follow: sweep, retire -----------------------------------------------------------------------------------
 
 
-def test_begin_retires_newer_checkpoints_instead_of_deleting_them(root, make_manager):
+def test_follow_retires_newer_checkpoints_instead_of_deleting_them(root, make_manager):
     old = make_manager()
     for s in (2, 4, 6):
         old.save(s, make_state(s))
@@ -542,7 +542,8 @@ def test_begin_retires_newer_checkpoints_instead_of_deleting_them(root, make_man
 
     m = make_manager(run_id="run-b")
     state = make_state(0)
-    assert m.begin("4", state, keep_files=("loss.csv",)) == 4
+    assert m.open("4", state) == 4
+    m.follow(4, keep_files=("loss.csv",))
     assert state["model"].v == 4
     assert present(root) == [2, 4] and latest(root) == 4
 
@@ -554,31 +555,29 @@ def test_begin_retires_newer_checkpoints_instead_of_deleting_them(root, make_man
     assert any("moved the newer checkpoints" in line for line in m.logs)
 
 
-def test_begin_moves_nothing_when_after_load_refuses(root, make_manager):
+def test_open_moves_nothing_until_follow(root, make_manager):
+    """A caller that refuses what open() loaded (another --model, other data) stops before follow(): nothing moved."""
     old = make_manager()
     for s in (2, 4):
         old.save(s, make_state(s))
 
-    def refuse(step):
-        raise CheckpointError(f"refusing step {step}")
-
     m = make_manager(run_id="run-b")
-    with pytest.raises(CheckpointError, match="refusing step 2"):
-        m.begin("2", make_state(0), after_load=refuse)
+    assert m.open("2", make_state(0)) == 2
     assert present(root) == [2, 4] and not (root / layout.RETIRED_DIR).exists()
 
 
-def test_begin_fresh_start_retires_every_checkpoint(root, make_manager):
+def test_follow_fresh_start_retires_every_checkpoint(root, make_manager):
     old = make_manager()
     old.save(2, make_state(2))
     m = make_manager(run_id="run-b")
-    assert m.begin(None, make_state(0)) is None
+    assert m.open(None, make_state(0)) is None
+    m.follow(None)
     assert present(root) == [] and latest(root) is None
     (retired,) = (root / layout.RETIRED_DIR).iterdir()
     assert layout.verify(retired / layout.step_dir_name(2))["step"] == 2
 
 
-def test_begin_sweeps_what_a_crashed_incarnation_left(root, make_manager):
+def test_open_sweeps_what_a_crashed_incarnation_left(root, make_manager):
     old = make_manager()
     old.save(2, make_state(2))
     dead = root / ".staging-run-crashed"
@@ -589,7 +588,7 @@ def test_begin_sweeps_what_a_crashed_incarnation_left(root, make_manager):
     trash.mkdir()
 
     m = make_manager(run_id="run-b")
-    assert m.begin("latest", make_state(0)) == 2
+    assert m.open("latest", make_state(0)) == 2
     assert not dead.exists() and not trash.exists()
     assert present(root) == [2]
     assert any("removed what interrupted saves left" in line and partial.name in line for line in m.logs)
