@@ -81,7 +81,7 @@ def worker(sizes: list[int], roots: list[str], repeats: int, out: str) -> None:
             backend_name = "vanilla" if method == "vanilla" else "dcp"
             state = _state(size, parallel, backend_name)
             for where in roots:
-                if backend_name == "vanilla" and storage.is_remote(where):
+                if backend_name == "vanilla" and not storage.medium(where).filesystem:
                     continue  # vanilla writes local files only
                 mode = "async-process" if async_save == "process" else "async" if async_save else "sync"
                 root = storage.as_path(where) / f"{backend_name}-{mode}-{size}"
@@ -112,7 +112,7 @@ def worker(sizes: list[int], roots: list[str], repeats: int, out: str) -> None:
                     loads.append(time.perf_counter() - t0)
                 if env.is_main:
                     rows.append({"size_mib": nbytes / MiB, "method": method, "parallel": parallel,
-                                 "storage": "S3" if storage.is_remote(where) else "local disk",
+                                 "storage": "local disk" if storage.medium(where).filesystem else "S3",
                                  "blocked_s": min(blocked), "total_s": min(total), "load_s": min(loads)})
                     storage.rmtree(root)
                 dist.barrier()

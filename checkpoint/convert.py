@@ -50,7 +50,7 @@ def convert(src, dst, to: str):
                               f"{layout.step_dir_name(step)}")
     if (step_dir / layout.COMMITTED).exists():
         raise CheckpointError(f"{step_dir} already holds a committed checkpoint; choose another DST")
-    if to == "dcp" and frm == "vanilla" and storage.is_remote(where):
+    if to == "dcp" and frm == "vanilla" and not storage.medium(where).filesystem:
         raise CheckpointError(f"{where}: reading a vanilla checkpoint from object storage is not supported; copy it first")
     if step_dir.exists():  # the leftover of an interrupted convert (never committed), and nothing else
         layout.remove_step_dir(step_dir, "choose another DST, or move them away")

@@ -446,7 +446,7 @@ def _prepare_out(out: Path, force: bool, source: Path) -> None:
     if not force:
         raise CheckpointError(f"{out} is not empty; choose another OUT, or pass --force to replace it")
     resolved = out.resolve()
-    src = Path(str(source)).resolve() if not storage.is_remote(source) else None
+    src = Path(str(source)).resolve() if storage.medium(source).filesystem else None
     if (resolved / layout.MANIFEST).exists() or layout.list_checkpoints(resolved) or \
             (src is not None and (src == resolved or resolved in src.parents)):
         raise CheckpointError(f"{out} holds checkpoints; --force replaces only an earlier export, never a checkpoint "
@@ -480,7 +480,7 @@ def export_hf(src, out, *, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, dtype: 
               tokenizer: str | None = None, force: bool = False) -> Path:
     """Export SRC's model as a Hugging Face Llama folder OUT; return OUT."""
     max_bytes = parse_size(max_shard_size)
-    if storage.is_remote(out):
+    if not storage.medium(out).filesystem:
         raise CheckpointError(f"{out}: OUT must be a local folder (transformers loads from the filesystem)")
     out = Path(out)
     where, manifest = locate(src)

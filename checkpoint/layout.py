@@ -68,15 +68,13 @@ def member(step_dir: Path, name: str, manifest: dict) -> Path:
     if name not in manifest["files"]:
         raise CheckpointError(f"{step_dir} reads {name!r}, which its manifest does not list: a checkpoint's files are "
                               "only those its manifest records; the checkpoint was tampered with")
-    path = storage.as_path(step_dir) / name
-    if not storage.is_remote(path):
-        at = Path(step_dir)
-        for part in PurePosixPath(name).parts:
-            at = at / part
-            if at.is_symlink():
-                raise CheckpointError(f"{at} is a symbolic link; a checkpoint's files must be inside its folder, "
-                                      "never links to elsewhere: the checkpoint was tampered with")
-    return path
+    at = storage.as_path(step_dir)
+    for part in PurePosixPath(name).parts:
+        at = at / part
+        if storage.is_link(at):
+            raise CheckpointError(f"{at} is a symbolic link; a checkpoint's files must be inside its folder, never "
+                                  "links to elsewhere: the checkpoint was tampered with")
+    return at
 
 
 # Every name a PyRecover writer creates inside a step folder: payload files of every backend (``*.pt``; DCP's
@@ -89,7 +87,7 @@ OWN_FILE_RE = re.compile(r"^(manifest\.json|COMMITTED|part-rank-\d{5,}\.json|[A-
 def remove_step_dir(step_dir: Path, why: str) -> None:
     """The one way a step folder is deleted: its commit marker first (a crash mid-way leaves an uncommitted folder,
     never a committed one with files missing), then the rest -- only if everything in it is a name PyRecover writes
-    (storage.remove_owned: no other file, no sub-folder, no symbolic link, never followed). Else CheckpointError,
+    (storage.check_owned: no other file, no sub-folder, no symbolic link, never followed). Else CheckpointError,
     naming what is in the way; ``why`` says what to do."""
     storage.check_owned(step_dir, OWN_FILE_RE.match, why)
     (storage.as_path(step_dir) / COMMITTED).unlink(missing_ok=True)
@@ -174,18 +172,6 @@ def write_commit(step_dir: Path, manifest: bytes) -> None:
     storage.sync_dir(step_dir.parent)
 
 
-def prepare_step_dir(step_dir: Path) -> None:
-    """An empty folder to write a checkpoint into. In place (object storage): an earlier attempt at this step is
-    un-committed first, so a crash here leaves nothing `latest` picks; the previous checkpoints stay intact. Local: it
-    is a staging folder, and what is there is our own leftover of a failed attempt."""
-    if storage.is_remote(step_dir):
-        if step_dir.exists():
-            remove_step_dir(step_dir, "move them out of the checkpoint folder")
-    elif step_dir.exists():
-        storage.rmtree(step_dir)
-    step_dir.mkdir(parents=True)
-
-
 # --- reading -------------------------------------------------------------------------------------------------------
 
 
@@ -214,21 +200,17 @@ def list_checkpoints(root: Path) -> list[CheckpointInfo]:
         m = STEP_DIR_RE.match(entry.name)
         # A step folder that is a symbolic link is not one this project wrote (it publishes by rename): it is never
         # loaded, replaced, retired or deleted, so nothing outside the run directory is read or touched through it.
-        if m and entry.is_dir() and not _is_link(entry):
+        if m and entry.is_dir() and not storage.is_link(entry):
             infos.append(CheckpointInfo(int(m.group(1)), entry, (entry / COMMITTED).exists()))
     return sorted(infos, key=lambda i: i.step)
-
-
-def _is_link(path) -> bool:
-    return not storage.is_remote(path) and Path(path).is_symlink()
 
 
 def linked_step_dirs(root: Path) -> list[Path]:
     """Step-folder names under ``root`` that are symbolic links (ignored by list_checkpoints; named at resume)."""
     root = storage.as_path(root)
-    if storage.is_remote(root) or not root.is_dir():
+    if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if STEP_DIR_RE.match(p.name) and p.is_symlink())
+    return sorted(p for p in root.iterdir() if STEP_DIR_RE.match(p.name) and storage.is_link(p))
 
 
 def read_manifest(step_dir: Path) -> dict:
@@ -449,7 +431,7 @@ def resolve(root: Path, spec: str, *, quiet: bool = False, keep: bool = False) -
         return resolve_latest([root], quiet=quiet, keep=keep)
     if spec.isdigit():
         path = root / step_dir_name(int(spec))
-        if _is_link(path):
+        if storage.is_link(path):
             raise CheckpointError(f"{path} is a symbolic link, not a checkpoint this run wrote; pass the folder it "
                                   f"points to ({os.readlink(path)}) as --resume-from-checkpoint PATH if you trust it")
     else:
@@ -541,10 +523,8 @@ def apply_retention(root: Path, keep: int, *, keep_every: int = 0, keep_best: in
     them dead, since they can never be published. ``guard(what)`` raises if this incarnation is fenced. Called only
     after a new checkpoint has committed. ``label`` begins each log line (the mirror's retention says so).
     """
-    if keep <= 0 and not storage.is_remote(root):
-        _sweep_other_staging(storage.as_path(root), own_staging, guard)
-        return []
     if keep <= 0:
+        writing(root).sweep(root, own_staging, guard)
         return []
     infos = list_checkpoints(root)
     committed = [i for i in infos if i.committed]
@@ -571,8 +551,7 @@ def apply_retention(root: Path, keep: int, *, keep_every: int = 0, keep_best: in
         _log.info(f"{label}: removed {info.path.name}")
     if removed:
         storage.sync_dir(storage.as_path(root))
-    if not storage.is_remote(root):
-        _sweep_other_staging(storage.as_path(root), own_staging, guard)
+    writing(root).sweep(root, own_staging, guard)
     return removed
 
 
@@ -592,7 +571,7 @@ RETIRED_DIR = "retired"
 
 
 def staging_dir(root: Path, run_id: str, step: int) -> Path:
-    return Path(root) / f"{STAGING_PREFIX}{run_id}" / step_dir_name(step)
+    return storage.as_path(root) / f"{STAGING_PREFIX}{run_id}" / step_dir_name(step)
 
 
 def publish(staged: Path, root: Path, step: int, *, guard: Callable[[str], None] = no_guard, tag: str = "",
@@ -699,16 +678,93 @@ def retire_newer(root: Path, step: int, *, keep_files: tuple[str, ...] = (), gua
 
 def ensure_writable(root: Path) -> None:
     """Fail at startup, not at the first save, if the checkpoint folder cannot be written (S3: bucket, credentials)."""
-    if storage.is_remote(root):
-        return storage.as_path(root).ensure_writable()
-    probe = Path(root) / f".write-probe-{os.getpid()}"
-    try:
-        Path(root).mkdir(parents=True, exist_ok=True)
-        try:
-            probe.write_bytes(b"ok")
-        finally:  # a full disk creates the file and then fails the write: never leave it behind
-            probe.unlink(missing_ok=True)
-    except OSError as e:
-        raise CheckpointError(
-            f"checkpoint directory {root} is not writable ({e.strerror or e}); free space or fix its permissions "
-            "there, or pass --checkpoint-dir pointing to a writable path") from None
+    storage.medium(root).ensure_writable(storage.as_path(root))
+
+
+# --- how a copy of a checkpoint is written and made visible, per medium ---------------------------------------------
+
+
+class _Staged:
+    """A filesystem: written into a staging folder of the writer (``tag``), published by rename (see above)."""
+
+    def save_dir(self, root, tag: str, step: int) -> Path:
+        return staging_dir(root, tag, step)
+
+    def prepare(self, step_dir: Path) -> None:
+        """An empty folder: what is there is the writer's own leftover of a failed attempt (the name proves it)."""
+        if step_dir.exists():
+            storage.rmtree(step_dir)
+        step_dir.mkdir(parents=True)
+
+    def publish(self, written: Path, root, step: int, *, guard: Callable[[str], None], tag: str) -> Path:
+        return publish(written, root, step, guard=guard, tag=tag)
+
+    def discard(self, written: Path) -> None:
+        storage.rmtree(written)  # even committed, it was never published
+
+    def recover(self, root, own_staging: str, guard: Callable[[str], None], *, label: str, mine: bool) -> None:
+        guard(f"clean up the {label}")
+        recover(root, own_staging=own_staging)
+
+    def sweep(self, root, own_staging: str, guard: Callable[[str], None]) -> None:
+        _sweep_other_staging(Path(root), own_staging, guard)
+
+    def retire_newer(self, root, step: int, *, keep_files: tuple[str, ...], guard: Callable[[str], None]) -> None:
+        retire_newer(root, step, keep_files=keep_files, guard=guard)
+
+    def close(self, root, own_staging: str) -> None:
+        try:  # the staging folder, once empty (every save published)
+            (Path(root) / own_staging).rmdir()
+        except OSError:
+            pass
+
+
+class _InPlace:
+    """Object storage (no rename): written in place as ``step-N``; COMMITTED, written last, makes it a checkpoint."""
+
+    def save_dir(self, root, tag: str, step: int):
+        return storage.as_path(root) / step_dir_name(step)
+
+    def prepare(self, step_dir) -> None:
+        """An earlier attempt at this step is un-committed first, so a crash here leaves nothing `latest` picks; the
+        previous checkpoints stay intact."""
+        if step_dir.exists():
+            remove_step_dir(step_dir, "move them out of the checkpoint folder")
+        step_dir.mkdir(parents=True)
+
+    def publish(self, written, root, step: int, *, guard: Callable[[str], None], tag: str):
+        return written  # COMMITTED published it
+
+    def discard(self, written) -> None:
+        if not (written / COMMITTED).exists():
+            storage.rmtree(written)
+
+    def recover(self, root, own_staging: str, guard: Callable[[str], None], *, label: str, mine: bool) -> None:
+        """``mine``: nothing else writes here (a mirror, written by this run's copier alone), so an uncommitted step
+        folder is an interrupted copy and goes. Otherwise (no lease on object storage) it is left to `latest`
+        (skipped, named) and to retention."""
+        if not mine:
+            return
+        for info in list_checkpoints(root):
+            if not info.committed:
+                guard(f"delete the interrupted {label} copy {info.path.name}")
+                remove_step_dir(info.path, f"move them out of the {label}")
+                _log.info(f"{label}: removed {info.path}, an interrupted copy")
+
+    def sweep(self, root, own_staging: str, guard: Callable[[str], None]) -> None:
+        """No staging folders: nothing to sweep."""
+
+    def retire_newer(self, root, step: int, *, keep_files: tuple[str, ...], guard: Callable[[str], None]) -> None:
+        """Nothing moves: without a lease a second writer may be live here, and a move is a copy of every object. A
+        resumed run's newer checkpoints stay (docs/checkpointing.md, known limits)."""
+
+    def close(self, root, own_staging: str) -> None:
+        pass
+
+
+def writing(root) -> "_Staged | _InPlace":
+    """How copies of checkpoints are written under ``root``: decided by its medium, once."""
+    return _STAGED if storage.medium(root).filesystem else _IN_PLACE
+
+
+_STAGED, _IN_PLACE = _Staged(), _InPlace()

@@ -21,7 +21,7 @@ from . import layout, storage
 from .backends import Backend, RankInfo, loader_for
 from .backends.base import BackgroundTask
 from .errors import CheckpointError
-from .fsio import MiB, io_mode, is_disk_full
+from .fsio import MiB, is_disk_full
 from .lease import Fenced, Lease
 from .mirror import Mirror
 from .state import CheckpointState
@@ -72,6 +72,7 @@ class CheckpointManager:
         mirror: Mirror | None = None,
     ):
         self.root = storage.as_path(root)  # a local Path or an s3:// S3Path
+        self._writing = layout.writing(self.root)  # staged and published by rename, or in place
         self.backend = backend
         self.rank = rank
         self.run_id = run_id
@@ -96,8 +97,7 @@ class CheckpointManager:
         ``meta``: what rank 0 records in the manifest (the checkpoint's card)."""
         self._reap(block_until_below=self.backend.max_in_flight)
         t0 = time.perf_counter()
-        staged = not storage.is_remote(self.root)  # object storage has no rename: it writes in place, COMMITTED last
-        step_dir = layout.staging_dir(self.root, self.run_id, step) if staged else self.root / layout.step_dir_name(step)
+        step_dir = self._writing.save_dir(self.root, self.run_id, step)
         prepared: list = [None]
         if self.rank.is_main:
             try:
@@ -124,9 +124,7 @@ class CheckpointManager:
                                                          self.run_id, guard=self._guard)
                     self._guard(f"commit step {step}")
                     layout.commit(step_dir, step, self.rank.world_size, self.backend.name, parts, meta=meta)
-                    published = step_dir
-                    if staged:
-                        published = layout.publish(step_dir, self.root, step, guard=self._guard, tag=self.run_id)
+                    published = self._writing.publish(step_dir, self.root, step, guard=self._guard, tag=self.run_id)
                     record.bytes = sum(r["size"] for p in parts for r in p["files"].values())
             except (OSError, CheckpointError) as e:
                 error = self._save_failed(step, step_dir, e)
@@ -202,7 +200,7 @@ class CheckpointManager:
 
     def _prepare_step_dir(self, step_dir: Path) -> None:
         self._guard("start a save")
-        layout.prepare_step_dir(step_dir)
+        self._writing.prepare(step_dir)
 
     def _save_failed(self, step: int, step_dir: Path, e: OSError | CheckpointError) -> CheckpointError:
         """Clean up after a failed save; the one-line error to raise (Fenced if a newer incarnation took over: then the
@@ -219,8 +217,7 @@ class CheckpointManager:
         attempt); another rank leaves a failure record so rank 0 stops waiting for its part at once. Best effort."""
         try:
             if self.rank.is_main:
-                if not (step_dir / layout.COMMITTED).exists() or not storage.is_remote(step_dir):
-                    storage.rmtree(step_dir)  # staged: even committed, it was never published
+                self._writing.discard(step_dir)
             else:
                 layout.write_part_record(step_dir, self.rank.rank, {}, run_id=self.run_id, error=str(getattr(e, "strerror", None) or e))
         except OSError:
@@ -351,10 +348,10 @@ class CheckpointManager:
     def open(self, spec: str | None, state: CheckpointState) -> int | None:
         """Clean up after crashed incarnations, then restore ``state`` from ``spec`` (None: start fresh). Nothing the
         run had committed moves yet: a caller refusing the loaded checkpoint leaves the folder as it found it."""
-        if self.rank.is_main and not storage.is_remote(self.root):
-            _log.info(io_mode(self.root))  # decided once per filesystem; every save and load then uses it
-            self._guard("clean up the run directory")
-            layout.recover(self.root, own_staging=self._staging.name)
+        if self.rank.is_main:
+            if (line := storage.medium(self.root).describe(self.root)) is not None:
+                _log.info(line)
+            self._writing.recover(self.root, self._staging.name, self._guard, label="run directory", mine=False)
         if self.mirror is not None:
             self.mirror.recover()
         return self.load(spec, state) if spec else None
@@ -362,9 +359,9 @@ class CheckpointManager:
     def follow(self, step: int | None, *, keep_files: tuple[str, ...] = ()) -> None:
         """Continue the run from ``step`` (None: from scratch): checkpoints of a line it no longer follows are retired
         (with ``keep_files`` of the run folder), so a later `latest` cannot jump back to them; the mirror starts."""
-        if self.rank.is_main and not storage.is_remote(self.root):
+        if self.rank.is_main:
             try:
-                layout.retire_newer(self.root, step or 0, keep_files=keep_files, guard=self._guard)
+                self._writing.retire_newer(self.root, step or 0, keep_files=keep_files, guard=self._guard)
             except OSError as e:
                 raise CheckpointError(f"cannot move the abandoned line's checkpoints aside under {self.root}: "
                                       f"{e.strerror or e}") from None
@@ -390,8 +387,5 @@ class CheckpointManager:
             if self.mirror is not None:  # the final checkpoint reaches the mirror before a clean exit (bounded wait)
                 self.mirror.close()
             self.backend.close()
-            if self.rank.is_main and not storage.is_remote(self.root):
-                try:  # our staging folder, once empty (every save published)
-                    self._staging.rmdir()
-                except OSError:
-                    pass
+            if self.rank.is_main:
+                self._writing.close(self.root, self._staging.name)

@@ -10,7 +10,7 @@ it: one warning when the mirror starts failing, retries, one line when it recove
       -> local mirror:  <mirror>/.staging-mirror-<run_id>/step-N/  every file copied atomically (tmp, fsync, rename),
                         each copy read back and checked against the primary's manifest, then manifest + COMMITTED
                         (layout.write_commit: the same bytes, the same marker), then layout.publish -> <mirror>/step-N
-         s3:// mirror:  in place, an earlier attempt un-committed first (layout.prepare_step_dir), COMMITTED last
+         s3:// mirror:  in place, an earlier attempt un-committed first (layout.writing), COMMITTED last
       -> retention on the mirror (--mirror-keep; never the newest committed one)
 
 A SIGKILL mid-copy leaves a staging folder (local: swept by the next start, ``recover``) or an uncommitted folder (s3:
@@ -21,10 +21,8 @@ locations (``resolve_latest``); the newest valid checkpoint wins, the primary on
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from pathlib import Path
 from typing import Callable
 
 from . import layout, storage
@@ -41,17 +39,9 @@ BACKOFF_S = 1.0  # first pause between attempts; doubles after each
 
 def refusal(checkpoint_dir: str, mirror_dir: str, experiment: str) -> str | None:
     """Why ``--mirror-dir`` cannot be used with ``--checkpoint-dir``, in one line, or None."""
-    def run_root(d: str):
-        root = storage.as_path(d) / experiment
-        return str(root) if storage.is_remote(root) else os.path.realpath(root)
-
-    primary, mirror = run_root(checkpoint_dir), run_root(mirror_dir)
-    if storage.is_remote(primary) or storage.is_remote(mirror):
-        in_primary = mirror == primary or mirror.startswith(primary.rstrip("/") + "/")
-        in_mirror = primary == mirror or primary.startswith(mirror.rstrip("/") + "/")
-    else:  # one folder can have several names (a bind mount, a symbolic link): ask the kernel, not the strings
-        p, m = _where(primary), _where(mirror)
-        in_primary, in_mirror = _local_within(m, p), _local_within(p, m)
+    p_root, m_root = storage.as_path(checkpoint_dir) / experiment, storage.as_path(mirror_dir) / experiment
+    primary, mirror = storage.medium(p_root).location(p_root), storage.medium(m_root).location(m_root)
+    in_primary, in_mirror = storage.within(m_root, p_root), storage.within(p_root, m_root)
     if in_primary and in_mirror:
         alias = "" if primary == mirror else f" under another name (run folders {primary} and {mirror})"
         return (f"--mirror-dir {mirror_dir} is the --checkpoint-dir itself{alias}; give the mirror another location "
@@ -60,34 +50,6 @@ def refusal(checkpoint_dir: str, mirror_dir: str, experiment: str) -> str | None
         return (f"--mirror-dir {mirror_dir} and --checkpoint-dir {checkpoint_dir} hold one another (run folders "
                 f"{primary} and {mirror}); give the mirror a separate location")
     return None
-
-
-def _where(path: str) -> tuple[list[tuple[int, int]], tuple[str, ...]]:
-    """A local path as the kernel sees it: (device, inode) of its nearest existing folder and of every folder above
-    that one, and the names below it that do not exist yet (a run folder is often created later)."""
-    head, missing = path, []
-    while True:
-        try:
-            st = os.stat(head)
-            break
-        except OSError:  # not there (or not searchable): compare by name from the folder above
-            head, name = os.path.split(head)
-            missing.insert(0, name)
-    chain = [(st.st_dev, st.st_ino)]
-    while head != os.path.dirname(head):
-        head = os.path.dirname(head)
-        st = os.stat(head)
-        chain.append((st.st_dev, st.st_ino))
-    return chain, tuple(missing)
-
-
-def _local_within(inner, outer) -> bool:
-    """``inner`` is the folder ``outer`` or inside it (both from ``_where``)."""
-    (inner_chain, inner_missing), (outer_chain, outer_missing) = inner, outer
-    if not outer_missing:  # outer exists: inner is in it if inner's path goes through it
-        return outer_chain[0] in inner_chain
-    # outer does not exist yet, so neither does anything in it: inner hangs below the same existing folder, by name
-    return inner_chain[0] == outer_chain[0] and inner_missing[:len(outer_missing)] == outer_missing
 
 
 class Mirror:
@@ -102,6 +64,7 @@ class Mirror:
     def __init__(self, root, *, run_id: str, every: int = 1, keep: int = 0, keep_every: int = 0, keep_best: int = 0,
                  timeout_s: float = 600.0, retries: int = RETRIES, backoff_s: float = BACKOFF_S):
         self.root = storage.as_path(root)
+        self._writing = layout.writing(self.root)  # staged and published by rename, or in place
         self.run_id = run_id
         self.every, self.keep, self.keep_every, self.keep_best = every, keep, keep_every, keep_best
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
@@ -130,15 +93,7 @@ class Mirror:
         but not yet published is published; other staging folders go). Object storage: uncommitted step folders (a
         copy killed mid-way) go. Best effort: a failing mirror never stops the run."""
         try:
-            if storage.is_remote(self.root):
-                for info in layout.list_checkpoints(self.root):
-                    if not info.committed:
-                        self.guard(f"delete the interrupted mirror copy {info.path.name}")
-                        layout.remove_step_dir(info.path, "move them out of the mirror")
-                        _log.info(f"mirror: removed {info.path}, an interrupted copy")
-            else:
-                self.guard("clean up the mirror")
-                layout.recover(Path(self.root), own_staging=self._staging_name)
+            self._writing.recover(self.root, self._staging_name, self.guard, label="mirror", mine=True)
         except Fenced:
             raise
         except (OSError, CheckpointError) as e:
@@ -261,11 +216,9 @@ class Mirror:
         against the primary's manifest before COMMITTED. Returns the bytes copied."""
         raw = (src / layout.MANIFEST).read_bytes()
         manifest = layout.read_manifest(src)  # committed, and the manifest is the one its marker names
-        remote = storage.is_remote(self.root)
-        dst = self.root / layout.step_dir_name(step) if remote else layout.staging_dir(
-            self.root, f"mirror-{self.run_id}", step)
+        dst = self._writing.save_dir(self.root, f"mirror-{self.run_id}", step)
         self.guard(f"mirror {dst.name}")
-        layout.prepare_step_dir(dst)
+        self._writing.prepare(dst)
         algorithm = manifest["checksum"]
         delay = mirror_delay_s()
         pause = (lambda: time.sleep(delay)) if delay > 0 else None
@@ -275,7 +228,7 @@ class Mirror:
             if pause is not None:
                 pause()
             target = dst / name
-            if not remote and "/" in name:
+            if "/" in name:
                 target.parent.mkdir(parents=True, exist_ok=True)
             try:
                 storage.copy_file(src / name, target)
@@ -292,9 +245,8 @@ class Mirror:
                 nbytes += size
         self.guard(f"commit the mirror's {dst.name}")
         layout.write_commit(dst, raw)
-        if not remote:
-            layout.read_manifest(dst)
-            layout.publish(dst, self.root, step, guard=self.guard, tag=f"mirror-{self.run_id}")
+        layout.read_manifest(dst)  # the marker just written names the manifest just written
+        self._writing.publish(dst, self.root, step, guard=self.guard, tag=f"mirror-{self.run_id}")
         return nbytes
 
     def _retain(self) -> None:
@@ -320,11 +272,8 @@ class Mirror:
             left = self._copying if self._copying is not None else newest[0] if newest else "?"
             self._warn(f"the final copy to the mirror {self.root} did not finish within --mirror-timeout "
                        f"{self.timeout_s:g}s (step {left}); the primary holds it")
-        elif not storage.is_remote(self.root):
-            try:  # our staging folder, once empty (every copy published)
-                (Path(self.root) / self._staging_name).rmdir()
-            except OSError:
-                pass
+        else:
+            self._writing.close(self.root, self._staging_name)
 
     def summary(self) -> str:
         last = max(self.copied) if self.copied else "none"

@@ -85,7 +85,7 @@ class Session:
             raise CheckpointError(why)
         self.settings, self.rank, self.agree, self.signals, self.started = s, rank, agree, signals, started
         self.root = storage.as_path(s.checkpoint_dir) / s.experiment
-        self.remote = storage.is_remote(self.root)
+        self.filesystem = storage.medium(self.root).filesystem  # the lease and local logs need one
         self.backend = make_backend(s.backend, rank, **s.backend_options)
         self.lease: run_lease.Lease | None = None  # rank 0 after take(); every rank after open() when there is one
         self.manager: CheckpointManager | None = None
@@ -105,7 +105,7 @@ class Session:
         """Rank 0: the run directory's lease (checkpoint/lease.py; none on object storage). A live holder is fenced only
         with ``force_takeover``, and only after ``before_force()`` passed: what could still refuse this start (a start
         refused after fencing would leave nothing running)."""
-        if not self.rank.is_main or self.remote:
+        if not self.rank.is_main or not self.filesystem:
             return
         try:
             self.lease = run_lease.acquire(self.root)  # fences nothing that is alive
@@ -280,4 +280,4 @@ class Session:
     def local_log_dir(self, fallback: Path) -> Path:
         """Where files that stay on local disk go (loss CSV, profiler traces): the run folder, or ``fallback`` when
         the run folder is object storage."""
-        return fallback if self.remote else self.root
+        return self.root if self.filesystem else fallback

@@ -62,7 +62,7 @@ def combination_refusal(name: str, *, sharded: bool = False, checkpoint_dir: str
     --distributed). ``checkpoint_dir``: --checkpoint-dir (object storage when ``s3://``). ``async_save``:
     --async-checkpoint (any true value). ``jit``: --jit-checkpoint."""
     caps = capabilities(name)
-    remote = checkpoint_dir is not None and storage.is_remote(checkpoint_dir)
+    remote = checkpoint_dir is not None and not storage.medium(checkpoint_dir).filesystem
     jit_caps = CAPABILITIES[JIT_FORMAT]
     able = lambda attr: [n for n, c in CAPABILITIES.items() if getattr(c, attr)]  # noqa: E731
     if sharded and not caps.sharded:

@@ -63,7 +63,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
@@ -167,12 +166,7 @@ class _ChecksumFS:
 
 
 def _writer(step_dir, records_file: str | None = None):
-    if storage.is_remote(step_dir):
-        from s3torchconnector.dcp import S3StorageWriter
-
-        writer = S3StorageWriter(storage.region(), str(step_dir), s3client_config=storage.client_config())
-    else:
-        writer = FileSystemWriter(step_dir, sync_files=True)
+    writer = storage.medium(step_dir).dcp_writer(step_dir)
     writer.fs = _ChecksumFS(writer.fs, records_file)
     return writer
 
@@ -241,29 +235,16 @@ class _VerifiedFiles:
         yield MemoryFile(layout.take_verified(where, record, self._manifest["checksum"]))
 
 
-class _SafeFileSystemReader(_SafeMetadata, FileSystemReader):
-    def __init__(self, step_dir, manifest: dict):
-        super().__init__(step_dir)
-        self.step_dir, self.manifest = step_dir, manifest
-        self.fs = _VerifiedFiles(self.fs, step_dir, manifest)
-
-
-_s3_reader_cls = None
-
-
 def _reader(step_dir, manifest: dict):
-    """A DCP storage reader for a verified checkpoint. S3: the names are checked against the manifest (verify() read
-    and checked every object just before); the bytes come from s3torchconnector's own reads."""
-    global _s3_reader_cls
-    if storage.is_remote(step_dir):
-        if _s3_reader_cls is None:
-            from s3torchconnector.dcp import S3StorageReader
-
-            _s3_reader_cls = type("_SafeS3StorageReader", (_SafeMetadata, S3StorageReader), {})
-        reader = _s3_reader_cls(storage.region(), str(step_dir), s3client_config=storage.client_config())
-        reader.step_dir, reader.manifest = step_dir, manifest
-        return reader
-    return _SafeFileSystemReader(step_dir, manifest)
+    """A DCP storage reader for a verified checkpoint. A filesystem: every byte DCP reads is served from a verified
+    read. S3: the names are checked against the manifest (verify() read and checked every object just before); the
+    bytes come from s3torchconnector's own reads."""
+    medium = storage.medium(step_dir)
+    reader = medium.dcp_reader(step_dir, _SafeMetadata)
+    reader.step_dir, reader.manifest = step_dir, manifest
+    if medium.filesystem:
+        reader.fs = _VerifiedFiles(reader.fs, step_dir, manifest)
+    return reader
 
 
 class _WeightsOnlyBytes:
@@ -296,8 +277,8 @@ def _save_error(e: BaseException, step_dir) -> BaseException:
     for leaf in leaves:
         if isinstance(leaf, (OSError, CheckpointError)):
             return leaf
-        if type(leaf).__name__ == "S3Exception":
-            return storage.s3_error(leaf, str(step_dir))
+        if (error := storage.medium(step_dir).os_error(leaf, step_dir)) is not None:
+            return error
     return CheckpointError(f"saving {step_dir} with DCP failed: {first_line(leaves[0], 200, typed=True)}")
 
 
@@ -305,8 +286,7 @@ def _load_error(e: BaseException, step_dir) -> CheckpointError:
     leaf = _leaf_errors(e)[0]
     if isinstance(leaf, CheckpointError):
         return leaf
-    if type(leaf).__name__ == "S3Exception":
-        leaf = storage.s3_error(leaf, str(step_dir))
+    leaf = storage.medium(step_dir).os_error(leaf, step_dir) or leaf
     if isinstance(leaf, OSError):
         return CheckpointError(f"cannot read {leaf.filename or step_dir}: {leaf.strerror or leaf}")
     return CheckpointError(f"loading {step_dir} with DCP failed: {first_line(leaf, 200, typed=True)}")
@@ -461,10 +441,7 @@ class DCPBackend(Backend):
         """Every piece but model/optimizer, with vanilla's helpers (what goes in which file, and the local writes)."""
         rest = CheckpointState({k: v for k, v in state.items() if k not in TENSOR_KEYS})
         pieces = payload_pieces(rest, self.rank.rank)
-        if not storage.is_remote(step_dir):
-            return save_pieces(step_dir, pieces, self.rank.rank)
-        return {name: storage.write_with(step_dir / name, lambda w, obj=obj: torch.save(obj, w))
-                for name, obj in pieces.items()}
+        return save_pieces(step_dir, pieces, self.rank.rank)
 
     def _checkpoint_group(self):
         """A gloo group for the background save's collectives, created on every rank at the first async save (all
@@ -498,7 +475,7 @@ class DCPBackend(Backend):
         """Where DCP's save process leaves this rank's file records: in the step folder when it is local (a run that
         dies mid-save leaves it in an uncommitted folder, swept with it), else in a private local folder."""
         name = f".dcp-records-rank-{self.rank.rank:05d}.json"
-        if not storage.is_remote(step_dir):
+        if storage.medium(step_dir).filesystem:
             return str(Path(step_dir) / name)
         if self._records_dir is None:
             self._records_dir = tempfile.mkdtemp(prefix="pyrecover-dcp-")

@@ -15,7 +15,7 @@ import torch
 
 from .. import layout, storage
 from ..errors import CheckpointError, first_line
-from ..fsio import MemoryFile, atomic_write, fsync_dir
+from ..fsio import MemoryFile
 from ..logs import EVERY_RANK
 from ..state import CheckpointState
 from .base import Backend, CompletedPayload, PayloadHandle
@@ -38,12 +38,13 @@ def _no_zip_crc32() -> None:
 
 
 def save_pieces(step_dir: Path, pieces: dict[str, dict], rank: int) -> dict[str, dict]:
-    """Write ``{filename: state_dict}`` durably; return their size/checksum records. Shared by every file backend."""
+    """Write ``{filename: state_dict}`` durably (any medium); return their size/checksum records. Shared by every
+    file backend."""
     _no_zip_crc32()
     files = {}
     for name, obj in pieces.items():
-        files[name] = atomic_write(step_dir / name, lambda w, obj=obj: torch.save(obj, w), fsync_parent=False)
-    fsync_dir(step_dir)
+        files[name] = storage.write_with(step_dir / name, lambda w, obj=obj: torch.save(obj, w), sync_dir=False)
+    storage.sync_dir(step_dir)
     return files
 
 

@@ -1,156 +1,26 @@
-"""Where checkpoint files live: the local filesystem (``pathlib.Path``, via fsio) or an S3 object store (:class:`S3Path`).
+"""Object storage (``s3://bucket/prefix``; the ``s3`` extra, s3torchconnector): the medium without rename, fsync or
+folders, and without a need for them. An object appears whole when its upload completes (every write is atomic),
+"folders" are key prefixes, and reads are strongly consistent after writes; so a checkpoint is written in place and
+COMMITTED, written last, is what makes it one.
 
-layout.py and manager.py work on *paths*; they call the few functions below for what differs between the two, and
-``as_path`` turns ``--checkpoint-dir`` into the right kind. For a local ``Path`` every function is exactly the fsio
-primitive it replaces (atomic write + fsync, directory fsync, streamed checksum, rmtree), so the local path is unchanged.
-
-S3 (``s3://bucket/prefix``; the ``s3`` extra, s3torchconnector) is configured by the standard AWS variables:
-``AWS_ENDPOINT_URL`` (e.g. a MinIO/SeaweedFS/Ceph endpoint; path-style addressing is then used), ``AWS_REGION`` (or
-``AWS_DEFAULT_REGION``; default us-east-1), ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` or ``AWS_PROFILE``.
-An object store has no rename, no fsync and no directories, and needs none of them here: an object becomes visible
-whole when its upload completes (so every write is atomic), "directories" are key prefixes, and S3 reads are strongly
-consistent after writes. The commit protocol is the same: part records, then manifest, then COMMITTED, written last.
-
-S3 errors become ``OSError`` with one readable line (``FileNotFoundError`` for a missing key), so the manager reports a
-failed save exactly like a failed local write.
+Configured by the standard AWS variables: ``AWS_ENDPOINT_URL`` (MinIO, SeaweedFS, Ceph...; path-style addressing is
+then used), ``AWS_REGION`` (or ``AWS_DEFAULT_REGION``; default us-east-1), ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``
+or ``AWS_PROFILE``. S3 errors become ``OSError`` with one readable line (``FileNotFoundError`` for a missing key), so a
+failed save reads like a failed local write.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterator
 
-from .errors import CheckpointError
-from .fsio import CHECKSUM_ALGORITHM, ChecksumWriter, atomic_write, checksum_file, fsync_dir, new_hasher, read_verified
+from ..errors import CheckpointError
+from ..fsio import CHECKSUM_ALGORITHM, ChecksumWriter, new_hasher
+from .base import CHUNK, Medium
 
 S3_SCHEME = "s3://"
-_CHUNK = 8 << 20
-
-
-# --- dispatch: one function per operation that differs -------------------------------------------------------------
-
-
-def as_path(p: "str | os.PathLike | S3Path") -> "Path | S3Path":
-    """``s3://bucket/key`` (or an S3Path) -> S3Path; anything else -> pathlib.Path."""
-    if isinstance(p, S3Path):
-        return p
-    if isinstance(p, str) and p.startswith(S3_SCHEME):
-        return S3Path.from_uri(p)
-    return Path(p)
-
-
-def is_remote(p) -> bool:
-    return isinstance(p, S3Path) or (isinstance(p, str) and p.startswith(S3_SCHEME))
-
-
-def write_with(path, fill: Callable[[ChecksumWriter], None]) -> dict:
-    """Write ``path`` durably and atomically via ``fill(writer)``; return its ``{"size", <algorithm>}`` record."""
-    if isinstance(path, S3Path):
-        return path.write_with(fill)
-    return atomic_write(path, fill)
-
-
-def write_bytes(path, data: bytes) -> dict:
-    return write_with(path, lambda w: w.write(data))
-
-
-def sync_dir(path) -> None:
-    """Make the names in a folder durable (fsync the directory). Object stores: nothing to do."""
-    if not isinstance(path, S3Path):
-        fsync_dir(path)
-
-
-def checksum(path, algorithm: str = CHECKSUM_ALGORITHM) -> tuple[int, str]:
-    """(size, hex checksum) of a file, streamed."""
-    if isinstance(path, S3Path):
-        return path.checksum(algorithm)
-    return checksum_file(path, algorithm)
-
-
-def read_checked(path, size: int, algorithm: str, expected: str) -> memoryview:
-    """A file's bytes, verified against its manifest record as they arrive (raises CheckpointError if they differ)."""
-    if not isinstance(path, S3Path):
-        return read_verified(path, size, algorithm, expected)
-    data = path.read_bytes()
-    if len(data) != size:
-        raise CheckpointError(f"{path} has {len(data)} bytes, manifest says {size}: truncated or replaced")
-    h = new_hasher(algorithm)
-    h.update(data)
-    if h.hexdigest() != expected:
-        raise CheckpointError(f"{path} fails its checksum ({algorithm}): the file is corrupted")
-    return memoryview(data)
-
-
-def read_chunks(path) -> Iterator[bytes]:
-    """A file's bytes, streamed in chunks (local or s3://)."""
-    if isinstance(path, S3Path):
-        yield from path.read_chunks()
-        return
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            yield chunk
-
-
-def copy_file(src, dst, *, before_chunk: Callable[[], None] | None = None) -> dict:
-    """Copy ``src`` to ``dst`` (either local or s3://) durably and atomically, like :func:`write_with`; return the
-    record of the bytes written, hashed as they passed. ``before_chunk``: called before each chunk (a test knob)."""
-    def fill(w: ChecksumWriter) -> None:
-        for chunk in read_chunks(src):
-            if before_chunk is not None:
-                before_chunk()
-            w.write(chunk)
-
-    return write_with(dst, fill)
-
-
-def strangers(folder, owned: Callable[[str], object]) -> list[str]:
-    """What in ``folder`` PyRecover cannot have written: a name ``owned`` refuses, a sub-folder, a symbolic link (never
-    followed). The folder itself as a link to elsewhere is a stranger too."""
-    if isinstance(folder, S3Path):
-        return sorted(p.name + "/" if p.is_dir() else p.name for p in folder.iterdir()
-                      if p.is_dir() or not owned(p.name))
-    folder = Path(folder)
-    if folder.is_symlink():
-        return [f"{folder.name} itself (a symbolic link to {os.readlink(folder)})"]
-    try:
-        entries = list(os.scandir(folder))
-    except FileNotFoundError:
-        return []
-    found = []
-    for e in entries:
-        if e.is_symlink():
-            found.append(f"{e.name} (a symbolic link)")
-        elif e.is_dir(follow_symlinks=False):
-            found.append(e.name + "/")
-        elif not owned(e.name):
-            found.append(e.name)
-    return sorted(found)
-
-
-def check_owned(folder, owned: Callable[[str], object], why: str) -> None:
-    """Refuse (CheckpointError, one line) to delete a folder that holds anything PyRecover cannot have written: it
-    deletes only what it can prove is its own. ``why``: what the user can do instead."""
-    found = strangers(folder, owned)
-    if found:
-        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
-        raise CheckpointError(f"{folder} holds {', '.join(found[:3])}{more}, which PyRecover did not write, so it "
-                              f"is not deleted; {why}")
-
-
-def rmtree(path) -> None:
-    """Remove a folder and everything under it; best effort, like ``shutil.rmtree(ignore_errors=True)``. Only for
-    what is provably ours: a staging folder by its name, or a folder :func:`check_owned` passed."""
-    if isinstance(path, S3Path):
-        try:
-            path.rmtree()
-        except OSError:
-            pass
-    else:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 # --- S3 -------------------------------------------------------------------------------------------------------------
@@ -210,7 +80,7 @@ class _Stat:
 
 
 class S3Path:
-    """The subset of ``pathlib.Path`` that layout.py and manager.py use, over ``s3://bucket/key``.
+    """The subset of ``pathlib.Path`` that the checkpoint layout uses, over ``s3://bucket/key``.
 
     Deliberately not ``os.PathLike``: passing one to ``open()`` or ``Path()`` fails loudly instead of silently writing a
     local folder called ``s3:``.
@@ -323,7 +193,7 @@ class S3Path:
     def read_chunks(self) -> Iterator[bytes]:
         try:
             reader = client().get_object(self.bucket, self.key)
-            while chunk := reader.read(_CHUNK):
+            while chunk := reader.read(CHUNK):
                 yield chunk
         except CheckpointError:
             raise
@@ -383,3 +253,77 @@ class S3Path:
         except OSError as e:
             raise CheckpointError(f"checkpoint directory {self} is not usable: {e.strerror}; check the bucket and "
                                   "the AWS_* variables (AWS_ENDPOINT_URL, AWS_REGION, credentials)") from None
+
+
+class S3(Medium):
+    name = "s3"
+    filesystem = False
+
+    def claims(self, p) -> bool:
+        return isinstance(p, S3Path) or (isinstance(p, str) and p.startswith(S3_SCHEME))
+
+    def path(self, p) -> S3Path:
+        return p if isinstance(p, S3Path) else S3Path.from_uri(str(p))
+
+    def write_with(self, path: S3Path, fill: Callable[[ChecksumWriter], None], *, sync_dir: bool = True) -> dict:
+        return path.write_with(fill)
+
+    def sync_dir(self, path) -> None:
+        """Nothing to make durable: an object is durable when its upload completes."""
+
+    def checksum(self, path: S3Path, algorithm: str = CHECKSUM_ALGORITHM) -> tuple[int, str]:
+        return path.checksum(algorithm)
+
+    def read_checked(self, path: S3Path, size: int, algorithm: str, expected: str) -> memoryview:
+        data = path.read_bytes()
+        if len(data) != size:
+            raise CheckpointError(f"{path} has {len(data)} bytes, manifest says {size}: truncated or replaced")
+        h = new_hasher(algorithm)
+        h.update(data)
+        if h.hexdigest() != expected:
+            raise CheckpointError(f"{path} fails its checksum ({algorithm}): the file is corrupted")
+        return memoryview(data)
+
+    def read_chunks(self, path: S3Path) -> Iterator[bytes]:
+        yield from path.read_chunks()
+
+    def strangers(self, folder: S3Path, owned: Callable[[str], object]) -> list[str]:
+        return sorted(p.name + "/" if p.is_dir() else p.name for p in folder.iterdir()
+                      if p.is_dir() or not owned(p.name))
+
+    def rmtree(self, path: S3Path) -> None:
+        try:
+            path.rmtree()
+        except OSError:
+            pass
+
+    def os_error(self, exc: BaseException, path) -> OSError | None:
+        return s3_error(exc, str(path)) if type(exc).__name__ == "S3Exception" else None
+
+    def is_link(self, path) -> bool:
+        return False  # keys are names, never links
+
+    def within(self, inner: S3Path, outer: S3Path) -> bool:
+        a, b = str(inner).rstrip("/"), str(outer).rstrip("/")
+        return a == b or a.startswith(b + "/")
+
+    def location(self, path) -> str:
+        return str(path)
+
+    def ensure_writable(self, root: S3Path) -> None:
+        root.ensure_writable()
+
+    def dcp_writer(self, path: S3Path):
+        from s3torchconnector.dcp import S3StorageWriter
+
+        return S3StorageWriter(region(), str(path), s3client_config=client_config())
+
+    def dcp_reader(self, path: S3Path, safe_mixin: type):
+        if safe_mixin not in _reader_cls:
+            from s3torchconnector.dcp import S3StorageReader
+
+            _reader_cls[safe_mixin] = type("_SafeS3StorageReader", (safe_mixin, S3StorageReader), {})
+        return _reader_cls[safe_mixin](region(), str(path), s3client_config=client_config())
+
+
+_reader_cls: dict[type, type] = {}
