@@ -144,6 +144,13 @@ def test_validation_of_a_two_rank_fsdp_checkpoint(tmp_path, corpus):
     assert offline.returncode == 0 and "within 0.0001 relative" in offline.stdout, offline.stdout + offline.stderr
 
 
+def test_validate_on_a_missing_or_empty_path_is_one_error_line(tmp_path):
+    for path in (tmp_path / "nope", tmp_path):
+        out = validate_cli(str(path))
+        assert out.returncode == 2 and "Traceback" not in out.stdout + out.stderr, out.stdout + out.stderr
+        assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1 and str(path) in out.stderr, out.stderr
+
+
 def test_keep_best_keeps_the_lowest_eval_loss(tmp_path, corpus):
     """A learning rate high enough that the held-out loss goes up and down: the K best are not simply the newest."""
     base = TINY + ["--dataset", corpus, "--checkpoint-dir", str(tmp_path), "--training-steps", "4",
