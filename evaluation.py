@@ -6,10 +6,14 @@ shape swapped pass every checksum).
 
     held out   the last --eval-windows windows of the data (dataset.hold_out): training never sees them
     probe      the first EVAL_BATCH of them: its loss at save time goes into the card together with its tokens, so
-               `python -m checkpoint validate` and --validate-on-resume recompute it from the checkpoint alone
+               `python evaluation.py validate` and --validate-on-resume recompute it from the checkpoint alone
     eval loss  the mean loss over every held-out window: what --keep-best ranks checkpoints by
 
 The card lives in the manifest (``meta.card``), so the manifest's checksum covers it.
+
+    python evaluation.py validate PATH [--device cpu]
+        recompute the probe loss of one step folder or of every committed one under PATH from the weights alone and
+        compare it with the card's (exit 1 if a checkpoint does not predict as saved); PATH may be s3://bucket/prefix
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -150,7 +155,7 @@ def check_prediction(card: dict, loss: float, here: dict) -> tuple[bool, str]:
 
 
 def validate_checkpoint(step_dir: Path, manifest: dict, device: str = "cpu") -> tuple[bool, str]:
-    """`python -m checkpoint validate`: rebuild the model from the card, load the checkpoint's weights (any backend,
+    """`python evaluation.py validate`: rebuild the model from the card, load the checkpoint's weights (any backend,
     any world size), recompute the probe loss in one process on ``device`` and compare. Raises CheckpointError when
     the checkpoint holds nothing to compare with."""
     import distributed
@@ -187,3 +192,35 @@ def validate_checkpoint(step_dir: Path, manifest: dict, device: str = "cpu") -> 
                 if dtype in ("bf16", "fp16") else torch.autocast(here["device"], enabled=False))
     probe = torch.tensor(card["eval"]["probe_tokens"], dtype=torch.long)
     return check_prediction(card, batch_loss(model, probe, device, autocast), here)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python evaluation.py validate PATH [--device cpu]`: each committed checkpoint, OK or FAILED."""
+    from checkpoint import setup_logging, storage
+    from checkpoint.errors import CheckpointError
+    from checkpoint.reader import check_each
+
+    p = argparse.ArgumentParser(prog="python evaluation.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    val = sub.add_parser("validate", help="recompute each checkpoint's probe loss and compare it with its card")
+    val.add_argument("path", type=storage.as_path, help="step folder, or experiment folder (each committed one)")
+    val.add_argument("--device", default="cpu", help="where to recompute (default cpu)")
+    setup_logging()
+    try:
+        args = p.parse_args(argv)  # inside: an s3:// path without a bucket is a CheckpointError too
+        if not args.path.exists():
+            raise CheckpointError(f"{args.path} does not exist")
+
+        def check(info, manifest: dict) -> tuple[bool, str]:
+            ok, line = validate_checkpoint(info.path, manifest, args.device)
+            return ok, f"{'OK' if ok else 'FAILED'}: {line}"
+
+        return check_each(args.path, check)
+    except (CheckpointError, OSError) as e:  # bad input is one line, never a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -55,12 +55,12 @@ from checkpoint import (EVERY_RANK, FENCED, FINISHED, REQUEUE_FAILED, REQUEUED, 
                         CheckpointState, Fenced, ModelState, OptimizerState, RNGState, RunInfo, Session, Settings,
                         SignalWatcher, TrainState, When, capabilities, install_signal_handlers, knobs, setup_logging,
                         unwrap_model)
-from checkpoint.export import model_config_from_hf, read_hf  # Hugging Face Llama <-> model.py names (one table)
 from dataset import DataError, TrainLoader, fingerprint, hold_out, load_token_windows, load_tokenizer
 from dataset import is_sharded, load_sharded_windows, token_parts
 from evaluation import EVAL_BATCH, CardMaker, batch_loss, check_prediction, evaluate, run_layout
 from flags import (BadInput, apply_resume_flags, build_parser, check_flags, check_numeric_flags,  # noqa: F401 (tests)
                    check_resume_flags, parse_args, RESOLVED_CONFIG, resolved_config)
+from hf import model_config_from_hf, read_hf  # Hugging Face Llama <-> model.py names (one table)
 from metrics import Metrics, device_peak_flops
 import trackers
 from model import (PRESETS, MemoryEstimate, ModelConfig, Transformer, estimate_peak_memory, flash_attention_problem,
@@ -200,7 +200,7 @@ def check_inputs(args: argparse.Namespace, env: distributed.DistEnv, session: Se
 
 
 def hf_model_config(path, what: str) -> dict:
-    """ModelConfig fields of a Hugging Face Llama config.json (checkpoint/export.py maps both directions)."""
+    """ModelConfig fields of a Hugging Face Llama config.json (hf.py maps both directions)."""
     try:
         hf = json.loads(Path(path).read_text())
     except OSError as e:
@@ -516,7 +516,7 @@ def validate_loaded(args: argparse.Namespace, run: Run, info) -> None:
     if not ok:
         raise BadInput(f"--validate-on-resume: {info.path} failed validation: {line}; the weights do not predict "
                        "as saved (a wrong load), so nothing was trained; resume from another step or check the "
-                       "checkpoint with `python -m checkpoint validate`")
+                       "checkpoint with `python evaluation.py validate`")
     log.info(f"validate-on-resume: step {info.step} OK, {line}")
 
 

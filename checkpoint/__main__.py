@@ -1,17 +1,14 @@
-"""`python -m checkpoint list|verify|inspect PATH` — look at checkpoints without training; `convert` between formats;
-`export` to Hugging Face.
+"""`python -m checkpoint list|verify|inspect PATH` — look at checkpoints without training; `convert` between formats.
 
     list DIR       every step folder under an experiment folder: step, tokens, loss, eval loss, time, size, status
                    (latest, the --keep-best ones, just-in-time saves)
     verify PATH    check sizes and checksums of one step folder, or of every committed one under DIR (exit 1 if bad)
-    validate PATH  recompute the probe loss of one step folder or of every committed one under DIR from the weights
-                   alone and compare it with the card's (exit 1 if a checkpoint does not predict as saved)
     inspect PATH   what a checkpoint holds: manifest, card, files, tensors of the model section
     convert SRC DST --to vanilla|dcp
                    rewrite a checkpoint (step or experiment folder) in the other format under DST, committed
-    export SRC OUT --to hf [--max-shard-size 2GB] [--dtype D] [--tokenizer T] [--force]
-                   write SRC's model as a Hugging Face Llama folder (safetensors, config.json, tokenizer files)
-PATH/SRC/DST may be s3://bucket/prefix (AWS_* variables; the s3 extra); export's OUT is a local folder.
+PATH/SRC/DST may be s3://bucket/prefix (AWS_* variables; the s3 extra).
+The library knows no model, so what needs model.py lives beside it: `python evaluation.py validate PATH` recomputes
+the probe loss from the weights; `python hf.py export SRC OUT --to hf` writes a Hugging Face Llama folder.
 """
 
 from __future__ import annotations
@@ -26,14 +23,7 @@ from . import layout, logs, storage
 from .errors import CheckpointError
 from .fsio import MiB
 from .convert import FORMATS
-from .reader import read_section
-
-
-def _targets(path: Path) -> list[layout.CheckpointInfo]:
-    if layout.STEP_DIR_RE.match(path.name) or (path / layout.MANIFEST).exists():
-        m = layout.STEP_DIR_RE.match(path.name)
-        return [layout.CheckpointInfo(int(m.group(1)) if m else -1, path, (path / layout.COMMITTED).exists())]
-    return layout.list_checkpoints(path)
+from .reader import check_each, read_section, targets as _targets
 
 
 def _card(info: layout.CheckpointInfo) -> dict:
@@ -95,30 +85,8 @@ def cmd_list(path: Path) -> int:
     return 0
 
 
-def _check_each(path: Path, check) -> int:
-    """Run ``check(info, manifest) -> (ok, text)`` on one step folder or every committed one under ``path``, after its
-    sizes and checksums verify; one line each. Exit code 1 if any failed."""
-    targets = _targets(path)
-    if not targets:
-        print(f"error: no checkpoints under {path}", file=sys.stderr)
-        return 2
-    bad = 0
-    for info in targets:
-        if not info.committed:
-            print(f"{info.path}: not committed")
-            bad += 1
-            continue
-        try:
-            ok, text = check(info, layout.verify(info.path))
-        except CheckpointError as e:
-            ok, text = False, f"FAILED: {e}"
-        print(f"{info.path}: {text}")
-        bad += not ok
-    return 1 if bad else 0
-
-
 def cmd_verify(path: Path) -> int:
-    return _check_each(path, lambda info, manifest: (True, f"OK ({len(manifest['files'])} files verified)"))
+    return check_each(path, lambda info, manifest: (True, f"OK ({len(manifest['files'])} files verified)"))
 
 
 def _show_card(card: dict) -> None:
@@ -164,36 +132,16 @@ def cmd_inspect(path: Path) -> int:
     return 0
 
 
-def cmd_validate(path: Path, device: str = "cpu") -> int:
-    """Recompute each committed checkpoint's probe loss from its weights alone and compare it with its card."""
-    from evaluation import validate_checkpoint  # the model definition lives with the training script
-
-    def check(info: layout.CheckpointInfo, manifest: dict) -> tuple[bool, str]:
-        ok, line = validate_checkpoint(info.path, manifest, device)
-        return ok, f"{'OK' if ok else 'FAILED'}: {line}"
-
-    return _check_each(path, check)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m checkpoint", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("list", "verify", "inspect", "validate"):
+    for name in ("list", "verify", "inspect"):
         sub.add_parser(name).add_argument("path", type=storage.as_path)
-    sub.choices["validate"].add_argument("--device", default="cpu", help="where to recompute (default cpu)")
     conv = sub.add_parser("convert", help="rewrite a checkpoint in another backend's format")
     conv.add_argument("src", help="step folder, or experiment folder (its latest)")
     conv.add_argument("dst", help="experiment folder (result: DST/step-N) or a step-N folder")
     conv.add_argument("--to", required=True, choices=FORMATS)
-    exp = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face Llama folder")
-    exp.add_argument("src", help="step folder, or experiment folder (its latest)")
-    exp.add_argument("out", help="folder to create (empty or absent; --force replaces an earlier export)")
-    exp.add_argument("--to", required=True, choices=["hf"])
-    exp.add_argument("--max-shard-size", default="2GB", help="largest safetensors file, e.g. 2GB, 500MB (default 2GB)")
-    exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: as saved)")
-    exp.add_argument("--tokenizer", help="tokenizer name or path (default: the one the run trained with)")
-    exp.add_argument("--force", action="store_true", help="replace a non-empty OUT (never a checkpoint folder)")
     logs.setup()  # e.g. convert's line
     try:
         args = p.parse_args(argv)  # inside: an s3:// path without a bucket is a CheckpointError too
@@ -202,16 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
             convert(args.src, args.dst, args.to)
             return 0
-        if args.cmd == "export":
-            from .export import export_hf
-
-            export_hf(args.src, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype,
-                      tokenizer=args.tokenizer, force=args.force)
-            return 0
         if not args.path.exists():
             raise CheckpointError(f"{args.path} does not exist")
-        if args.cmd == "validate":
-            return cmd_validate(args.path, args.device)
         return {"list": cmd_list, "verify": cmd_verify, "inspect": cmd_inspect}[args.cmd](args.path)
     except (CheckpointError, OSError) as e:  # bad input is one line, never a traceback
         print(f"error: {e}", file=sys.stderr)

@@ -2,11 +2,13 @@
 
 Used by `tests/check_weights_equality.py`, `python -m checkpoint inspect` and conversion. Tensors come back flattened to
 dotted names (``layers.0.attention.wq.weight``, ``optimizer.state.layers.0.attention.wq.weight.exp_avg``) and are
-memory-mapped where the format allows, so comparing two large checkpoints does not hold both in RAM.
+memory-mapped where the format allows, so comparing two large checkpoints does not hold both in RAM. ``check_each``
+runs a check on each committed checkpoint of a folder (`python -m checkpoint verify`, `python evaluation.py validate`).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
@@ -68,3 +70,33 @@ def read_section(path: str | Path, section: str = "model") -> dict[str, Any]:
             raise CheckpointError(f"{where}: no reader for backend {manifest['backend']!r}")
         data = section_reader(manifest["backend"])(where, manifest, section)
     return dict(flatten(data))
+
+
+def targets(path: Path) -> list[layout.CheckpointInfo]:
+    """One step folder (``path`` itself), or every step folder under an experiment folder."""
+    if layout.STEP_DIR_RE.match(path.name) or (path / layout.MANIFEST).exists():
+        m = layout.STEP_DIR_RE.match(path.name)
+        return [layout.CheckpointInfo(int(m.group(1)) if m else -1, path, (path / layout.COMMITTED).exists())]
+    return layout.list_checkpoints(path)
+
+
+def check_each(path: Path, check: Callable[[layout.CheckpointInfo, dict], tuple[bool, str]]) -> int:
+    """Run ``check(info, manifest) -> (ok, text)`` on one step folder or every committed one under ``path``, after its
+    sizes and checksums verify; one line each. Exit code 1 if any failed."""
+    found = targets(path)
+    if not found:
+        print(f"error: no checkpoints under {path}", file=sys.stderr)
+        return 2
+    bad = 0
+    for info in found:
+        if not info.committed:
+            print(f"{info.path}: not committed")
+            bad += 1
+            continue
+        try:
+            ok, text = check(info, layout.verify(info.path))
+        except CheckpointError as e:
+            ok, text = False, f"FAILED: {e}"
+        print(f"{info.path}: {text}")
+        bad += not ok
+    return 1 if bad else 0

@@ -2,8 +2,9 @@
 
 * every checkpoint carries a card (model, data fingerprint, hyperparameters, progress, time, versions, note) that
   `python -m checkpoint list` and `inspect` show;
-* validation by prediction: the probe loss recorded at save is recomputed bitwise, offline (`validate`) and on resume
-  (--validate-on-resume); two swapped tensors of the same shape pass every checksum and are still caught;
+* validation by prediction: the probe loss recorded at save is recomputed bitwise, offline (`python evaluation.py
+  validate`) and on resume (--validate-on-resume); two swapped tensors of the same shape pass every checksum and are
+  still caught;
 * --keep-best K: retention also keeps the K checkpoints with the lowest held-out loss, and `list` marks them.
 """
 
@@ -28,6 +29,11 @@ SWAP = "layers.0.attention.wq.weight,layers.0.attention.wo.weight"  # both dim x
 def ckpt_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", "checkpoint", *args], capture_output=True, text=True, timeout=180,
                           env=env_for_tests(), cwd=ROOT)
+
+
+def validate_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, str(ROOT / "evaluation.py"), "validate", *args], capture_output=True, text=True,
+                          timeout=180, env=env_for_tests(), cwd=ROOT)
 
 
 def manifest(step_dir: Path) -> dict:
@@ -73,7 +79,7 @@ def test_card_list_inspect_and_offline_validation(tmp_path, corpus):
     assert f"data.fingerprint: {card['data']['fingerprint']}" in shown.stdout
     assert "xxh3_64" in shown.stdout  # the files' checksums named by their real algorithm
 
-    ok = ckpt_cli("validate", str(exp))
+    ok = validate_cli(str(exp))
     assert ok.returncode == 0, ok.stdout + ok.stderr
     for step in (3, 6):
         recorded = manifest(exp / f"step-{step:08d}")["meta"]["card"]["eval"]["probe_loss"]
@@ -100,7 +106,7 @@ def test_card_list_inspect_and_offline_validation(tmp_path, corpus):
     (bad / "manifest.json").unlink()
     layout.commit(bad, 6, 1, m["backend"], [{"files": m["files"]}], meta=m["meta"])
     assert ckpt_cli("verify", str(bad)).returncode == 0
-    caught = ckpt_cli("validate", str(bad))
+    caught = validate_cli(str(bad))
     assert caught.returncode == 1 and "FAILED: probe loss" in caught.stdout, caught.stdout + caught.stderr
 
 
@@ -134,8 +140,15 @@ def test_validation_of_a_two_rank_fsdp_checkpoint(tmp_path, corpus):
     assert "bitwise on the saving layout cpu/fp32/sdpa/2/fsdp" in resumed.stdout + resumed.stderr
     card = manifest(tmp_path / "f" / "step-00000004")["meta"]["card"]
     assert card["layout"]["world_size"] == 2 and card["layout"]["parallel"] == "fsdp"
-    offline = ckpt_cli("validate", str(tmp_path / "f" / "step-00000004"))
+    offline = validate_cli(str(tmp_path / "f" / "step-00000004"))
     assert offline.returncode == 0 and "within 0.0001 relative" in offline.stdout, offline.stdout + offline.stderr
+
+
+def test_validate_on_a_missing_or_empty_path_is_one_error_line(tmp_path):
+    for path in (tmp_path / "nope", tmp_path):
+        out = validate_cli(str(path))
+        assert out.returncode == 2 and "Traceback" not in out.stdout + out.stderr, out.stdout + out.stderr
+        assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1 and str(path) in out.stderr, out.stderr
 
 
 def test_keep_best_keeps_the_lowest_eval_loss(tmp_path, corpus):

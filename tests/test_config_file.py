@@ -202,4 +202,4 @@ def test_help_lists_each_flag_once_and_both_spellings_parse(monkeypatch):
 def test_checkpoint_cli_help_unaffected():
     out = subprocess.run([PY, "-m", "checkpoint", "--help"], capture_output=True, text=True, cwd=ROOT,
                          env=env_for_tests(), timeout=120)
-    assert out.returncode == 0 and "inspect" in out.stdout and "export" in out.stdout
+    assert out.returncode == 0 and "inspect" in out.stdout and "convert" in out.stdout

@@ -1,4 +1,4 @@
-"""`python -m checkpoint export SRC OUT --to hf` end to end: tiny runs trained through the real CLI (1 process vanilla;
+"""`python hf.py export SRC OUT --to hf` end to end: tiny runs trained through the real CLI (1 process vanilla;
 2 ranks FSDP with the dcp backend under torchrun), exported, then loaded by a real client,
 `transformers.LlamaForCausalLM.from_pretrained(OUT)` on CPU in fp32, whose logits on a fixed batch must match our
 model.Transformer loaded from the same checkpoint: the same argmax everywhere, max |difference| <= LOGIT_TOLERANCE.
@@ -21,7 +21,7 @@ from helpers import PY, ROOT, TINY, env_for_tests, optional_module, require, run
 
 sys.path.insert(0, str(ROOT))
 from checkpoint import layout  # noqa: E402
-from checkpoint.export import saved_model  # noqa: E402
+from hf import saved_model  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 
 transformers = optional_module("transformers")
@@ -54,7 +54,7 @@ def runs(corpus, tmp_path_factory) -> dict[str, Path]:
 
 
 def export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "checkpoint", "export", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([PY, str(ROOT / "hf.py"), "export", *map(str, args)], capture_output=True, text=True,
                           timeout=180, env=env_for_tests(), cwd=ROOT)
 
 

@@ -1,7 +1,7 @@
 """Any Llama shape in, Hugging Face weights in and out, and the optimizer flags, through the real CLI:
 
 * `--model CONFIG.json` (a transformers Llama config: GQA, its own intermediate size, RoPE theta, norm eps, tied or
-  untied embeddings) trains, exports with `python -m checkpoint export --to hf`, and transformers'
+  untied embeddings) trains, exports with `python hf.py export --to hf`, and transformers'
   LlamaForCausalLM loads the export with our logits;
 * `--init-from DIR` starts from an export of ours, or from a model transformers made, with exactly its weights;
 * `--gradient-accumulation-steps 4 --batch-size 2` killed mid-run and resumed equals the uninterrupted run bitwise;
@@ -30,7 +30,7 @@ from helpers import (PY, ROOT, check_weights, csv_rows, env_for_tests, kill_run_
                      optional_module, require, start_train)
 
 sys.path.insert(0, str(ROOT))
-from checkpoint.export import hf_names  # noqa: E402
+from hf import hf_names  # noqa: E402
 from checkpoint.reader import read_section  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 
@@ -85,7 +85,7 @@ def refused(result: tuple[int, str, str], *says: str) -> str:
 
 
 def export(src: Path, out: Path) -> subprocess.Popen:
-    return subprocess.Popen([PY, "-m", "checkpoint", "export", str(src), str(out), "--to", "hf"],
+    return subprocess.Popen([PY, str(ROOT / "hf.py"), "export", str(src), str(out), "--to", "hf"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_for_tests(), cwd=ROOT)
 
 

@@ -8,7 +8,7 @@ test is named by its class:
 - symlinked_step_folder: a step folder that is a link to a checkpoint elsewhere (neither loaded nor deleted through);
 - absurd_sealed_value: values no run writes (step 10**400, world size 10**30, a step that is not the folder's, a card
   that is a list);
-- foreign_files: `convert` and `export --force` over folders holding the user's files;
+- foreign_files: `convert` and `hf.py export --force` over folders holding the user's files;
 - nothing_valid: `--resume-from-checkpoint latest` when every committed checkpoint fails verification.
 """
 
@@ -34,6 +34,11 @@ STEPS = 20
 
 def _cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", "checkpoint", *map(str, args)], capture_output=True, text=True, cwd=ROOT,
+                          env=env_for_tests(), timeout=300)
+
+
+def _hf_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, str(ROOT / "hf.py"), *map(str, args)], capture_output=True, text=True, cwd=ROOT,
                           env=env_for_tests(), timeout=300)
 
 
@@ -234,17 +239,17 @@ def test_foreign_files_convert_never_deletes_what_it_did_not_write(runs, tmp_pat
 def test_foreign_files_export_force_replaces_only_an_export(runs, tmp_path):
     src = _step(runs["vanilla"] / EXP, 20)
     out_dir = tmp_path / "hf"
-    assert _cli("export", src, out_dir, "--to", "hf").returncode == 0
+    assert _hf_cli("export", src, out_dir, "--to", "hf").returncode == 0
     (out_dir / "NOTES.txt").write_text("mine")
     (out_dir / "eval_results").mkdir()
     (out_dir / "eval_results" / "mmlu.json").write_text("{}")
-    out = _cli("export", src, out_dir, "--to", "hf", "--force")
+    out = _hf_cli("export", src, out_dir, "--to", "hf", "--force")
     text = _no_traceback(out)
     assert out.returncode != 0 and "NOTES.txt" in text and "eval_results/" in text, text
     assert (out_dir / "NOTES.txt").read_text() == "mine" and (out_dir / "eval_results" / "mmlu.json").exists()
     (out_dir / "NOTES.txt").unlink()
     shutil.rmtree(out_dir / "eval_results")
-    out = _cli("export", src, out_dir, "--to", "hf", "--force")  # an export alone: replaced
+    out = _hf_cli("export", src, out_dir, "--to", "hf", "--force")  # an export alone: replaced
     assert out.returncode == 0, out.stdout + out.stderr
     assert (out_dir / "config.json").exists() and not list(tmp_path.glob(".hf.*"))
 

@@ -1,31 +1,23 @@
-"""Export a committed checkpoint as a Hugging Face Llama model: ``python -m checkpoint export SRC OUT --to hf``.
-
-SRC is a step folder or an experiment folder (its `latest`), of any backend and world size: the model section is read
-as full tensors through reader.py (FSDP/DCP shards reassembled), after the folder has verified. The model's shape comes
-from the manifest's card (``meta.card.model.config``) when the checkpoint has one, else from the run configuration it
-was saved with (``run_info``). OUT receives what ``transformers.LlamaForCausalLM.from_pretrained(OUT)`` reads:
-
-    config.json                     LlamaForCausalLM / model_type llama, tie_word_embeddings as trained
-    generation_config.json          BOS/EOS ids of the tokenizer
-    model.safetensors               or model-0000i-of-0000n.safetensors + model.safetensors.index.json when the weights
-                                    exceed --max-shard-size
-    tokenizer.json, tokenizer_config.json (+ tokenizer.model)   where the training tokenizer has a Hugging Face form
+"""Hugging Face Llama <-> model.py, outside the checkpoint library because it knows model.py's parameter names and
+tokenizer.py (the library knows no model): one name table (``hf_names``) used both ways; export of a committed
+checkpoint's model to a transformers folder (``python hf.py export SRC OUT --to hf``); reading such a folder
+(``read_hf``, ``model_config_from_hf``) for train.py --init-from and --model CONFIG.json.
 
 The mapping is one-to-one, no tensor is transformed: our blocks are the Llama blocks (pre-norm RMSNorm, SwiGLU with
 w1 = gate, w3 = up, w2 = down, grouped-query attention where query head h reads KV head h // (n_heads / n_kv_heads)),
 and model.apply_rope already rotates the pairs (i, i + head_dim/2), transformers' ``rotate_half`` convention, so the
 q/k rows need no permutation.
-
-OUT is written in a hidden sibling folder and renamed into place when complete: it is the whole export or absent.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import re
 import shutil
+import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,11 +25,11 @@ from typing import Any
 
 import torch
 
-from . import fsio, layout, storage
-from .errors import CheckpointError, first_line
-from .reader import flatten, locate, section_reader
+from checkpoint import fsio, layout, logs, storage
+from checkpoint.errors import CheckpointError, first_line
+from checkpoint.reader import flatten, locate, section_reader
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("pyrecover.hf")  # a root logs.setup configures
 
 FORMATS = ("hf",)
 DEFAULT_MAX_SHARD_SIZE = "2GB"  # transformers' own default for save_pretrained
@@ -230,7 +222,7 @@ def read_hf(folder) -> tuple[dict, dict[str, torch.Tensor]]:
         hf = json.loads((folder / "config.json").read_text())
     except OSError as e:
         raise CheckpointError(f"{folder}: cannot read config.json ({e.strerror or e}); give a folder saved by "
-                              "transformers (save_pretrained) or by `python -m checkpoint export`") from None
+                              "transformers (save_pretrained) or by `python hf.py export`") from None
     except ValueError as e:
         raise CheckpointError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
     config = model_config_from_hf(hf, folder / "config.json")
@@ -334,7 +326,7 @@ def tokenizer_files(name_or_path: str, vocab_size: int, max_seq_len: int, explic
     """The Hugging Face files of the tokenizer a run trained with (tokenizer.py's names and paths). A tokenizer the
     checkpoint names but this machine cannot load is left out with a note; one asked for (``explicit``) is an error."""
     try:
-        import tokenizer as tokenizers_module  # the project's tokenizer.py, installed beside this package
+        import tokenizer as tokenizers_module  # the project's tokenizer.py, beside this module
     except ImportError:
         return TokenizerExport(note=f"tokenizer {name_or_path} not exported: the project's tokenizer module is not "
                                     "importable here")
@@ -539,3 +531,45 @@ def export_hf(src, out, *, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, dtype: 
     if tok.note:
         _log.info(f"note: {tok.note}")
     return out
+
+
+# --- command line ---------------------------------------------------------------------------------------------------
+
+_USAGE = """\
+    export SRC OUT --to hf [--max-shard-size 2GB] [--dtype D] [--tokenizer T] [--force]
+                   write SRC's model as a Hugging Face Llama folder OUT, what
+                   transformers.LlamaForCausalLM.from_pretrained(OUT) reads: config.json, generation_config.json,
+                   model.safetensors (or model-0000i-of-0000n.safetensors + model.safetensors.index.json beyond
+                   --max-shard-size), tokenizer.json / tokenizer_config.json (+ tokenizer.model) where the training
+                   tokenizer has a Hugging Face form. OUT is written beside and renamed into place: whole or absent.
+SRC is a step folder or an experiment folder (its latest), of any backend and world size, and may be
+s3://bucket/prefix (AWS_* variables; the s3 extra); OUT is a local folder.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python hf.py", description=__doc__.split("\n\n")[0] + "\n\n" + _USAGE,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    exp = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face Llama folder")
+    exp.add_argument("src", help="step folder, or experiment folder (its latest)")
+    exp.add_argument("out", help="folder to create (empty or absent; --force replaces an earlier export)")
+    exp.add_argument("--to", required=True, choices=list(FORMATS))
+    exp.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
+                     help="largest safetensors file, e.g. 2GB, 500MB (default 2GB)")
+    exp.add_argument("--dtype", choices=list(DTYPES), help="cast the weights (default: as saved)")
+    exp.add_argument("--tokenizer", help="tokenizer name or path (default: the one the run trained with)")
+    exp.add_argument("--force", action="store_true", help="replace a non-empty OUT (never a checkpoint folder)")
+    logs.setup()  # export's lines
+    try:
+        args = p.parse_args(argv)
+        export_hf(args.src, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype,
+                  tokenizer=args.tokenizer, force=args.force)
+        return 0
+    except (CheckpointError, OSError) as e:  # bad input is one line, never a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
