@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import yaml
@@ -118,3 +119,14 @@ def test_make_install_is_training_only_and_make_test_adds_the_test_extras():
     test = _make_n("test")
     assert "pip install -q -e '.[dev]'" in test, test
     assert test.index(".[dev]") < test.index("-m pytest"), test
+
+
+def test_the_install_puts_only_the_checkpoint_package_on_the_import_path(tmp_path):
+    """The wheel `pip install .` would install holds the checkpoint package and nothing else at the top level: no
+    `model`, `dataset` or `distributed` (Dask's) shadowing another project's modules."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                           str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = tmp_path.glob("*.whl")
+    tops = {name.split("/", 1)[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"checkpoint"}, sorted(tops)
