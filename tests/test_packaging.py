@@ -7,6 +7,7 @@ has it too (test_a_dependency_added_to_pyproject_only_is_reported proves that th
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -124,8 +125,11 @@ def test_make_install_is_training_only_and_make_test_adds_the_test_extras():
 def test_the_install_puts_only_the_checkpoint_package_on_the_import_path(tmp_path):
     """The wheel `pip install .` would install holds the checkpoint package and nothing else at the top level: no
     `model`, `dataset` or `distributed` (Dask's) shadowing another project's modules."""
+    src = tmp_path / "src"  # a copy: setuptools leaves build/ behind, and would reuse a stale one
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "data", "build", "*.egg-info",
+                                                             "__pycache__", "checkpoints", "results", "tests"))
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                           str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+                           str(tmp_path), str(src)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (wheel,) = tmp_path.glob("*.whl")
     tops = {name.split("/", 1)[0] for name in zipfile.ZipFile(wheel).namelist()}
