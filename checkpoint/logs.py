@@ -9,6 +9,7 @@ print because it is that rank's own view (a signal it received, a just-in-time s
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import sys
 from typing import TextIO
 
@@ -51,3 +52,18 @@ def setup(rank: int = 0, stream: TextIO | None = None) -> None:
         logger.handlers[:] = [handler]
         logger.setLevel(logging.INFO)
         logger.propagate = False
+
+
+class _QuietDCPSaveProcess(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.module != "_async_process_executor"
+
+
+def quiet_dcp_save_process() -> None:
+    """DCP's save process (dcp ``--async-checkpoint process``) logs every request to stderr through the root logger at
+    INFO, and a failed save as a multi-line traceback; the training process reports every outcome itself, in one
+    line. That process is a spawned child that re-imports the main program, and so this package, before it logs:
+    the package's import is the only hook early enough. Only such a child gets the filter: a program importing the
+    package keeps its root logger as it was."""
+    if multiprocessing.parent_process() is not None:
+        logging.getLogger().addFilter(_QuietDCPSaveProcess())
