@@ -124,7 +124,7 @@ def lr_lambda(warmup: int, total: int, min_ratio: float = 0.1):
 
 
 @dataclasses.dataclass
-class Checked:
+class Prepared:
     """What preflight found usable."""
 
     tokenizer: object
@@ -136,7 +136,7 @@ class Checked:
 
 
 def preflight(args: argparse.Namespace, env: distributed.DistEnv, signals: SignalWatcher,
-              started: float) -> Checked:
+              started: float) -> Prepared:
     """Everything that can be wrong with the user's input, checked on every rank before any collective or training
     time: the flags first (numbers, combinations, paths: instant), then the memory the configuration needs (as soon as
     the tokenizer gives the vocabulary), then the data (tokenizing may take minutes), then the checkpoint directory.
@@ -148,9 +148,9 @@ def preflight(args: argparse.Namespace, env: distributed.DistEnv, signals: Signa
                       agree=lambda v: distributed.all_reduce_max(v, env))
     tokenizer, windows, config, held_out = check_inputs(args, env, session)
     session.check_writable()
-    checked = Checked(tokenizer, windows, config, held_out, session)
-    checked.init_weights = init_from_weights(args)
-    return checked
+    prepared = Prepared(tokenizer, windows, config, held_out, session)
+    prepared.init_weights = init_from_weights(args)
+    return prepared
 
 
 def checkpoint_settings(args: argparse.Namespace, env: distributed.DistEnv) -> Settings:
@@ -164,7 +164,7 @@ def checkpoint_settings(args: argparse.Namespace, env: distributed.DistEnv) -> S
                 max_restarts=args.max_restarts)
     return Settings(
         checkpoint_dir=args.checkpoint_dir, experiment=args.experiment_name, backend=args.checkpoint_backend,
-        backend_options=backend_options(args, env), sharded=args.distributed and args.parallel == "fsdp",
+        backend_options=backend_options(args), sharded=args.distributed and args.parallel == "fsdp",
         async_save=args.async_checkpoint, jit=args.jit_checkpoint, keep=args.max_kept_checkpoints,
         keep_every=args.keep_every, keep_best=args.keep_best,
         keep_files=("loss.csv", RESOLVED_CONFIG),  # an abandoned line's checkpoints go with its loss rows and flags
@@ -269,7 +269,7 @@ def recorded_shards(args: argparse.Namespace, session: Session | None) -> list |
     return data.get("shards") if isinstance(data, dict) else None
 
 
-def backend_options(args: argparse.Namespace, env: distributed.DistEnv) -> dict:
+def backend_options(args: argparse.Namespace) -> dict:
     if args.checkpoint_backend == "concurrent":
         return {"max_async": args.max_async}
     if args.checkpoint_backend == "dcp":
@@ -352,14 +352,14 @@ class Run:
     scaler: torch.amp.GradScaler  # enabled for fp16 only; otherwise every call passes straight through
     loader: TrainLoader
     autocast: object  # bf16/fp16 autocast, or a null context: made once, entered every step
-    train: TrainState
+    progress: TrainState  # step, tokens seen, restarts: what the loop counts
     tokens_per_step: int
     memory: distributed.PeakMemory
     estimate: MemoryEstimate
 
 
-def build_run(args: argparse.Namespace, env: distributed.DistEnv, checked: Checked) -> Run:
-    estimate = memory_estimate(args, env, checked.config)  # checked against the device's memory in preflight
+def build_run(args: argparse.Namespace, env: distributed.DistEnv, prepared: Prepared) -> Run:
+    estimate = memory_estimate(args, env, prepared.config)  # prepared against the device's memory in preflight
     log.info(f"memory estimate: {estimate.describe()} per rank on {env.device.type}")
     # Every save takes its state dicts through DCP's state_dict helpers: import them before the memory baseline, so
     # the module memory they bring is not counted as training memory (they are not needed before the first step).
@@ -367,13 +367,13 @@ def build_run(args: argparse.Namespace, env: distributed.DistEnv, checked: Check
 
     memory = distributed.PeakMemory(env)  # baseline: after imports and data loading
     seed_everything(args.seed)  # identical init on every rank
-    model = Transformer(checked.config, attention="flash" if args.use_flash_attention else "sdpa")
-    if checked.init_weights is not None:  # after the seeded init, so the RNG streams are a fresh run's
+    model = Transformer(prepared.config, attention="flash" if args.use_flash_attention else "sdpa")
+    if prepared.init_weights is not None:  # after the seeded init, so the RNG streams are a fresh run's
         with torch.no_grad():
             for name, param in model.named_parameters():  # a tied weight once, by its first name
-                param.copy_(checked.init_weights[name])
-        log.info(f"init-from {args.init_from}: {len(checked.init_weights)} tensors loaded")
-        checked.init_weights = None
+                param.copy_(prepared.init_weights[name])
+        log.info(f"init-from {args.init_from}: {len(prepared.init_weights)} tensors loaded")
+        prepared.init_weights = None
     model = distributed.parallelize(model.to(device=env.device, dtype=distributed.param_dtype(args.model_dtype)), env,
                                     args.parallel)
     if args.compile:
@@ -383,22 +383,22 @@ def build_run(args: argparse.Namespace, env: distributed.DistEnv, checked: Check
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.lr_warmup_steps, args.training_steps,
                                                                        args.min_lr_ratio))
     scaler = torch.amp.GradScaler(env.device.type, enabled=args.model_dtype == "fp16")
-    loader = TrainLoader(checked.windows, args.batch_size, env.rank, env.world_size, args.seed)
+    loader = TrainLoader(prepared.windows, args.batch_size, env.rank, env.world_size, args.seed)
     seed_everything(args.seed + env.rank)  # per-rank streams from here on (restored from the checkpoint on resume)
-    train = TrainState()
-    knobs.install_crash_hook(unwrap_model(model), env.rank, lambda: train.step)  # test-only (knobs.py)
+    progress = TrainState()
+    knobs.install_crash_hook(unwrap_model(model), env.rank, lambda: progress.step)  # test-only (knobs.py)
     return Run(args, env, model, optimizer, scheduler, scaler, loader, distributed.autocast(env, args.model_dtype),
-               train, args.batch_size * args.gradient_accumulation_steps * args.sequence_length * env.world_size,
+               progress, args.batch_size * args.gradient_accumulation_steps * args.sequence_length * env.world_size,
                memory, estimate)
 
 
-def open_checkpoints(args: argparse.Namespace, run: Run, checked: Checked) -> int | None:
+def open_checkpoints(args: argparse.Namespace, run: Run, prepared: Prepared) -> int | None:
     """The state to save, then the resume: crashed incarnations' leftovers go, `latest` (or the given step) is loaded
     and checked against these flags and data, and only then are newer checkpoints of a line the run no longer follows
     moved aside. Returns the resumed step (None: a fresh start). A checkpoint that cannot be resumed with these flags
     raises BadInput, with nothing moved."""
-    env, session = run.env, checked.session
-    run_info = RunInfo(config=vars(args) | {"model_config": vars(checked.config)},
+    env, session = run.env, prepared.session
+    run_info = RunInfo(config=vars(args) | {"model_config": vars(prepared.config)},
                        versions={"torch": str(torch.__version__), "pyrecover": __version__}, world_size=env.world_size)
     # Sharded backends (dcp): every rank saves its own shard (DTensors under FSDP); the others: full state dicts,
     # written once by rank 0. run_info first: a load that fails on another --model/tokenizer/sequence length is
@@ -406,7 +406,7 @@ def open_checkpoints(args: argparse.Namespace, run: Run, checked: Checked) -> in
     sharded = capabilities(args.checkpoint_backend).sharded
     state = CheckpointState(run_info=run_info, model=ModelState(run.model, sharded=sharded),
                             optimizer=OptimizerState(run.model, run.optimizer, sharded=sharded),
-                            lr_scheduler=run.scheduler, dataloader=run.loader, train_state=run.train, rng=RNGState())
+                            lr_scheduler=run.scheduler, dataloader=run.loader, train_state=run.progress, rng=RNGState())
     if run.scaler.is_enabled():
         state["grad_scaler"] = run.scaler
 
@@ -414,9 +414,9 @@ def open_checkpoints(args: argparse.Namespace, run: Run, checked: Checked) -> in
 
     def reconcile(step: int | None) -> None:  # right after the load, before anything moves
         applied.extend(apply_resume_flags(args, run_info, step, run.optimizer, run.scheduler))
-        check_same_model(args, run_info, checked.config)
+        check_same_model(args, run_info, prepared.config)
         if step is not None:
-            check_same_data(args, run, checked, session.loaded)
+            check_same_data(args, run, prepared, session.loaded)
         if step is not None and args.validate_on_resume:
             validate_loaded(args, run, session.loaded)
 
@@ -430,7 +430,7 @@ def open_checkpoints(args: argparse.Namespace, run: Run, checked: Checked) -> in
     if args.resume_from_checkpoint and step is None:
         log.info(f"no checkpoint found in {session.root}; starting fresh from step 0")
     elif step is not None:
-        run.train.restarts += 1
+        run.progress.restarts += 1
         if args.init_from:
             log.info(f"resume: the checkpoint's weights are used; --init-from {args.init_from} applies to a fresh "
                      "start only")
@@ -452,36 +452,36 @@ def check_same_model(args: argparse.Namespace, run_info: RunInfo, config: ModelC
                        "start a new --experiment_name")
 
 
-def documenter(args: argparse.Namespace, run: Run, checked: Checked, started: float):
+def card_describer(args: argparse.Namespace, run: Run, prepared: Prepared, started: float):
     """The card every checkpoint carries (evaluation.py): the run's facts, the interval's losses, and -- at a periodic
     save -- the held-out losses. The evaluation runs where it must: rank 0, and every rank under FSDP (its forward
     gathers the shards)."""
     env, model = run.env, unwrap_model(run.model)
-    probe = checked.held_out.batch(range(min(EVAL_BATCH, len(checked.held_out)))) if checked.held_out else None
+    probe = prepared.held_out.batch(range(min(EVAL_BATCH, len(prepared.held_out)))) if prepared.held_out else None
     # Only rank 0 commits a card (any rank may, in a just-in-time save): the others skip hashing the data at start-up.
     writes = env.is_main or args.jit_checkpoint
-    make = CardMaker(args, env, checked.config, model.num_params(), checked.tokenizer.name,
-                     data_fingerprint(checked) if writes else None, probe, started, __version__,
-                     json.loads(resolved_config(args)), shards=getattr(checked.windows, "shards", None))
+    make = CardMaker(args, env, prepared.config, model.num_params(), prepared.tokenizer.name,
+                     data_fingerprint(prepared) if writes else None, probe, started, __version__,
+                     json.loads(resolved_config(args)), shards=getattr(prepared.windows, "shards", None))
     everyone = env.distributed and args.parallel == "fsdp"
 
     def describe(step: int, metrics: Metrics, evaluate_now: bool = False) -> dict:
         evaluation = None
-        if evaluate_now and checked.held_out is not None and (env.is_main or everyone):
-            evaluation = evaluate(model, checked.held_out, env.device, run.autocast)
+        if evaluate_now and prepared.held_out is not None and (env.is_main or everyone):
+            evaluation = evaluate(model, prepared.held_out, env.device, run.autocast)
             metrics.note_eval(step, evaluation)  # --tracker: the card's held-out losses at this step
-        return {"card": make(step=step, tokens_seen=run.train.tokens_seen, losses=metrics.take_interval(),
+        return {"card": make(step=step, tokens_seen=run.progress.tokens_seen, losses=metrics.take_interval(),
                              lr=metrics.last_lr, evaluation=evaluation)}
 
     return describe
 
 
-def data_fingerprint(checked: Checked) -> str:
+def data_fingerprint(prepared: Prepared) -> str:
     """The fingerprint of the tokens this run reads (training, then held out), as the card records it."""
-    return fingerprint(*token_parts(checked.windows), *token_parts(checked.held_out))
+    return fingerprint(*token_parts(prepared.windows), *token_parts(prepared.held_out))
 
 
-def check_same_data(args: argparse.Namespace, run: Run, checked: Checked, info) -> None:
+def check_same_data(args: argparse.Namespace, run: Run, prepared: Prepared, info) -> None:
     """Resume only on the data the checkpoint was trained on: its card's fingerprint against this run's tokens. Every
     rank hashes the data it reads and the ranks agree, so all refuse together (a node with another copy included)."""
     card_data = info.manifest.get("meta", {}).get("card", {}).get("data", {})
@@ -489,10 +489,10 @@ def check_same_data(args: argparse.Namespace, run: Run, checked: Checked, info) 
     if saved is None:
         log.info(f"resume: {info.path} records no data fingerprint (an older checkpoint): its data is not compared")
         return
-    now = data_fingerprint(checked)
+    now = data_fingerprint(prepared)
     if distributed.all_reduce_max(float(now != saved), run.env) == 0:
         return
-    ours = (f"this run's --dataset {args.dataset} (tokenizer {checked.tokenizer.name}) gives {now}" if now != saved
+    ours = (f"this run's --dataset {args.dataset} (tokenizer {prepared.tokenizer.name}) gives {now}" if now != saved
             else f"another rank's copy of --dataset {args.dataset} differs")
     raise BadInput(f"checkpoint {info.path} was trained on other data: its card records {saved} "
                    f"({card_data.get('dataset')}, tokenizer {card_data.get('tokenizer')}), {ours}; resume with the "
@@ -530,7 +530,7 @@ def build_metrics(args: argparse.Namespace, run: Run, session: Session, resumed:
     profiler = None
     if args.profile:
         profiler = torch.profiler.profile(schedule=torch.profiler.schedule(
-            wait=max(0, args.profile_step_start - run.train.step - 1), warmup=1,
+            wait=max(0, args.profile_step_start - run.progress.step - 1), warmup=1,
             active=max(1, args.profile_step_end - args.profile_step_start + 1), repeat=1),
             on_trace_ready=torch.profiler.tensorboard_trace_handler(str(log_dir / "profile")))
     env, model = run.env, unwrap_model(run.model)
@@ -545,7 +545,7 @@ def build_metrics(args: argparse.Namespace, run: Run, session: Session, resumed:
     opened = trackers.open_trackers(names, tracker_dir, resumed, wandb_project=args.wandb_project,
                                     wandb_name=args.wandb_name or os.environ.get("WANDB_NAME") or args.experiment_name
                                     ) if env.is_main else []
-    return Metrics(writer=env.is_main, csv_path=csv_path, resumed_step=resumed, start_step=run.train.step,
+    return Metrics(writer=env.is_main, csv_path=csv_path, resumed_step=resumed, start_step=run.progress.step,
                    total_steps=args.training_steps, every=args.logging_frequency, tokens_per_step=run.tokens_per_step,
                    flops_per_token=model.flops_per_token(args.sequence_length), peak_flops=device_peak_flops(env.device),
                    world_size=env.world_size, imports=(_T_IMPORTS, _T_IMPORTED), profiler=profiler,
@@ -598,8 +598,8 @@ def train_step(run: Run, before_update) -> tuple[float, float, torch.Tensor | No
     lr = run.scheduler.get_last_lr()[0]
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    run.train.step += 1
-    run.train.tokens_seen += run.tokens_per_step
+    run.progress.step += 1
+    run.progress.tokens_seen += run.tokens_per_step
     return float(loss_value), lr, grad_norm
 
 
@@ -647,15 +647,15 @@ def train(args: argparse.Namespace, signals: SignalWatcher, started: float) -> i
     # Bad input is found on every rank before any collective; then the ranks agree, so none waits for another. Only
     # then does rank 0 take the run directory (a refusal after a --force-takeover would leave no run training).
     try:
-        checked = agreed(env, lambda: preflight(args, env, signals, started))
-        session = checked.session
+        prepared = agreed(env, lambda: preflight(args, env, signals, started))
+        session = prepared.session
         agreed(env, lambda: session.take(before_force=lambda: check_resume(args, session)))
     except Refused:
         return EXIT_BAD_INPUT
 
-    run = build_run(args, env, checked)
+    run = build_run(args, env, prepared)
     try:
-        resumed = open_checkpoints(args, run, checked)
+        resumed = open_checkpoints(args, run, prepared)
     except BadInput as e:  # every rank has the same flags and checkpoint: all refuse here, none waits in a collective
         if env.is_main:
             say(f"error: {e}")
@@ -666,8 +666,8 @@ def train(args: argparse.Namespace, signals: SignalWatcher, started: float) -> i
             session.write_record(RESOLVED_CONFIG, resolved_config(args))
         except OSError as e:  # a record, not state: the card has the flags too, and a failing disk stops the next save
             say(f"warning: could not write {session.root / RESOLVED_CONFIG} ({e.strerror or e}); training continues")
-    describe = documenter(args, run, checked, started)
-    metrics = build_metrics(args, run, session, resumed, checked.tokenizer)
+    describe = card_describer(args, run, prepared, started)
+    metrics = build_metrics(args, run, session, resumed, prepared.tokenizer)
     jit = build_jit(args, run, session, metrics, describe)
     if env.distributed and args.pg_timeout_seconds:
         distributed.set_timeout(args.pg_timeout_seconds)
@@ -689,19 +689,19 @@ def train(args: argparse.Namespace, signals: SignalWatcher, started: float) -> i
     metrics.start(session.load_seconds)
     t_loop = time.perf_counter()
     try:
-        while run.train.step < args.training_steps:
+        while run.progress.step < args.training_steps:
             t0 = time.perf_counter()
             jit.begin_step()  # --jit-checkpoint: from here until the optimizer step the last step's state is intact
             loss, lr, grad_norm = train_step(run, before_update)
             jit.end_step()
-            metrics.step(run.train.step, loss, lr, grad_norm, time.perf_counter() - t0, run.train.tokens_seen,
-                         run.train.restarts)
-            if session.step_boundary(run.train.step, card(run.train.step)):
+            metrics.step(run.progress.step, loss, lr, grad_norm, time.perf_counter() - t0, run.progress.tokens_seen,
+                         run.progress.restarts)
+            if session.step_boundary(run.progress.step, card(run.progress.step)):
                 break
-        problem = session.close(run.train.step)
+        problem = session.close(run.progress.step)
     except Exception as e:
         # a peer failed: this healthy rank saved the last completed step (or another rank did) -> requeue
-        if isinstance(e, USER_ERRORS) or not jit.recover(e):
+        if isinstance(e, USER_ERRORS) or not jit.save_if_survivor(e):
             raise
         return EXIT_REQUEUE
     if problem is not None:
@@ -727,12 +727,12 @@ def finish(args: argparse.Namespace, run: Run, session: Session, metrics: Metric
         if not same:
             return EXIT_FAILED
     metrics.close()
-    log.info(f"done: {run.train.step} steps, final loss {metrics.last_loss:.4f}, {loop_s:.1f}s in the loop")
+    log.info(f"done: {run.progress.step} steps, final loss {metrics.last_loss:.4f}, {loop_s:.1f}s in the loop")
     measured = run.memory.peak_growth()
     log.info(f"memory measured: {measured / 2**20:,.1f} MiB peak on rank 0 ({run.memory.describe()}); estimate "
               f"{run.estimate.total / 2**20:,.1f} MiB ({100 * (run.estimate.total / max(measured, 1) - 1):+.1f}%)")
     log.info(session.summary(run_s))
-    outcome = session.finish(run.train.step)  # a stop before the end: rank 0 requeues
+    outcome = session.finish(run.progress.step)  # a stop before the end: rank 0 requeues
     distributed.shutdown(env)
     _KEEP_UNTIL_EXIT.append(run.model)  # see __main__: freeing DDP's reducer here can hang the process
     session.release()

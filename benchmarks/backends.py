@@ -48,7 +48,7 @@ import torch
 from checkpoint.backends import BACKENDS, RankInfo, backend_class, make_backend
 from checkpoint.backends.concurrent import ConcurrentBackend
 from checkpoint.backends.torchzip import plan_pieces
-from checkpoint.backends.vanilla import payload_pieces
+from checkpoint.backends.torchfile import payload_pieces
 from .report import fmt, plot, report
 from .writer_gil import writer_dip
 from checkpoint.manager import CheckpointManager

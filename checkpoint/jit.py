@@ -118,7 +118,7 @@ class NoJIT:
 
     def end_step(self) -> None: ...
 
-    def recover(self, exc: BaseException) -> bool:  # noqa: ARG002
+    def save_if_survivor(self, exc: BaseException) -> bool:  # noqa: ARG002
         return False
 
 
@@ -152,7 +152,7 @@ class JustInTime(NoJIT):
         self._snapshot = {}
 
     # --- recovery --------------------------------------------------------------------------------------------------
-    def recover(self, exc: BaseException) -> bool:
+    def save_if_survivor(self, exc: BaseException) -> bool:
         """Called with the exception that ended the loop. True: this rank is a healthy survivor and is done (it saved
         the last completed step, or another rank did, or there was nothing new to save) -> exit for a requeue.
         False: not handled (this rank failed itself, or it was inside the optimizer step) -> re-raise."""
@@ -225,7 +225,7 @@ class JustInTime(NoJIT):
     def _pieces(self) -> tuple[dict[str, dict], dict]:
         """The files of the checkpoint: the shared pieces, and per-rank files for every rank of the run -- this rank's
         exact, the others' derived (see the module docstring)."""
-        from .backends.vanilla import rank_file
+        from .backends.torchfile import rank_file
 
         pieces = {f"{key}.pt": piece.state_dict() for key, piece in self.state.shared().items()}
         if self.phase == FORWARD_BACKWARD and self._snapshot:

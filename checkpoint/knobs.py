@@ -10,8 +10,8 @@ Knob (environment variable)                    Read by                          
 ---------------------------------------------  -----------------------------------  -----------  -------------------
 PYRECOVER_DIRECT_IO=off                        fsio.py                              user-facing  direct_io_disabled()
   buffered checkpoint writes even where O_DIRECT works (also 0/false/no; default ``auto``). Read at every call.
-PYRECOVER_FAULT=<point>[:<n>[:error]]          fsio.py, layout.py, backends/dcp.py, test-only    fault_point(),
-                                               backends/concurrent.py                            fault_spec()
+PYRECOVER_FAULT=<point>[:<n>[:error]]          fsio.py, layout.py, backends/dcp.py, test-only    fault_point()
+                                               backends/concurrent.py
   SIGKILL this process the n-th time (default 1st) it reaches fault point <point> (``FAULT_POINTS``); with
   ``:error`` raise OSError(EIO) there instead. Read once at import (the fault-injection harness, tests/faults/).
 PYRECOVER_STEP_SLEEP=SECONDS                   policy.py (StepBoundary)             test-only    step_sleep_s()
@@ -137,14 +137,6 @@ def force_progress(environ: Mapping[str, str] | None = None) -> bool:
 _FAULT = os.environ.get("PYRECOVER_FAULT", "")
 _FAULT_POINT, _, _FAULT_REST = _FAULT.partition(":")
 _fault_hits: dict[str, int] = {}
-
-
-def fault_spec() -> tuple[str, int, str] | None:
-    """PYRECOVER_FAULT as read at import: (point, n-th hit, action "kill" or "error"); None when unset."""
-    if not _FAULT:
-        return None
-    nth, _, action = _FAULT_REST.partition(":")
-    return _FAULT_POINT, int(nth or 1), "error" if action == "error" else "kill"
 
 
 def fault_point(name: str, where: object = "") -> None:

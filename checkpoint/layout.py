@@ -182,6 +182,11 @@ class CheckpointInfo:
     committed: bool
     manifest: dict | None = None
     problems: list[str] = field(default_factory=list)
+    # the bytes verify() read and checked, by path, kept for the load that follows (one read per file, not two)
+    verified: dict[str, memoryview] = field(default_factory=dict, repr=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "verified": {}}  # the bytes stay in the process that read them (rank 0's resolve)
 
     @property
     def size_bytes(self) -> int:
@@ -381,13 +386,9 @@ def _schema_problem(value, schema, where: str) -> str | None:
     return f"{where} is {_show(value)}, which no PyRecover writes"
 
 
-# Bytes that verify() just read and checked, kept for the load that follows (one read per file, not two).
-_verified: dict[str, memoryview] = {}
-
-
-def verify(step_dir: Path, *, checksums: bool = True, keep: bool = False) -> dict:
+def verify(step_dir: Path, *, checksums: bool = True, keep: dict[str, memoryview] | None = None) -> dict:
     """Return the manifest if every listed file has its recorded size (and checksum); else raise CheckpointError.
-    ``keep``: hold the verified bytes for ``take_verified`` (the load right after)."""
+    ``keep``: receives the verified bytes by path, for the load right after (``take_verified``)."""
     manifest = read_manifest(step_dir)
     algorithm = manifest["checksum"]
     kept: dict[str, memoryview] = {}
@@ -399,9 +400,10 @@ def verify(step_dir: Path, *, checksums: bool = True, keep: bool = False) -> dic
             raise CheckpointError(f"{path} has {path.stat().st_size} bytes, manifest says {rec['size']}: truncated")
         if checksums:
             data = storage.read_checked(path, rec["size"], algorithm, rec[algorithm])
-            if keep:
+            if keep is not None:
                 kept[str(path)] = data
-    _verified.update(kept)
+    if keep is not None:
+        keep.update(kept)
     if checksums:
         from .backends import backend_class  # the backends build on this module: imported when first verifying
 
@@ -409,14 +411,11 @@ def verify(step_dir: Path, *, checksums: bool = True, keep: bool = False) -> dic
     return manifest
 
 
-def take_verified(path: Path, record: dict, algorithm: str) -> memoryview:
-    """The bytes of a manifest-listed file: those verify() kept, or read now and verified as they arrive."""
-    data = _verified.pop(str(path), None)
+def take_verified(path: Path, record: dict, algorithm: str, verified: dict[str, memoryview] | None) -> memoryview:
+    """The bytes of a manifest-listed file: those verify() kept in ``verified``, or read now and verified as they
+    arrive."""
+    data = verified.pop(str(path), None) if verified else None
     return data if data is not None else storage.read_checked(path, record["size"], algorithm, record[algorithm])
-
-
-def drop_verified() -> None:
-    _verified.clear()
 
 
 def resolve(root: Path, spec: str, *, quiet: bool = False, keep: bool = False) -> CheckpointInfo | None:
@@ -442,7 +441,7 @@ def resolve(root: Path, spec: str, *, quiet: bool = False, keep: bool = False) -
         raise CheckpointError(f"checkpoint {spec!r} not found (looked for {path}); use `python -m checkpoint list {root}`")
     m = STEP_DIR_RE.match(path.name)
     info = CheckpointInfo(int(m.group(1)) if m else -1, path, (path / COMMITTED).exists())
-    info.manifest = verify(path, keep=keep)
+    info.manifest = verify(path, keep=info.verified if keep else None)
     info.step = int(info.manifest["step"])
     return info
 
@@ -468,7 +467,7 @@ def resolve_latest(roots: list, *, quiet: bool = False, keep: bool = False) -> C
             warn(f"skipping {info.path}: not committed (interrupted save)")
             continue
         try:
-            info.manifest = verify(info.path, keep=keep)
+            info.manifest = verify(info.path, keep=info.verified if keep else None)
             return info
         except CheckpointError as e:
             invalid.append(str(e))

@@ -15,10 +15,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
-
 from . import layout, storage
-from .backends import Backend, RankInfo, loader_for
+from .backends import JIT_FORMAT, Backend, RankInfo, backend_class, loader_for
 from .backends.base import BackgroundTask
 from .errors import CheckpointError
 from .fsio import MiB, is_disk_full
@@ -98,16 +96,15 @@ class CheckpointManager:
         self._reap(block_until_below=self.backend.max_in_flight)
         t0 = time.perf_counter()
         step_dir = self._writing.save_dir(self.root, self.run_id, step)
-        prepared: list = [None]
+        failed = None
         if self.rank.is_main:
             try:
                 self._prepare_step_dir(step_dir)
             except (OSError, CheckpointError) as e:
-                prepared[0] = self._save_failed(step, step_dir, e)
-        if dist.is_initialized() and self.rank.world_size > 1:
-            dist.broadcast_object_list(prepared, src=0)  # no rank writes into the folder before rank 0 has made it
-        if prepared[0] is not None:
-            raise prepared[0]
+                failed = self._save_failed(step, step_dir, e)
+        failed = self.rank.from_main(failed)  # no rank writes into the folder before rank 0 has made it
+        if failed is not None:
+            raise failed
         try:
             payload = self.backend.save(step_dir, state)
         except (OSError, CheckpointError) as e:
@@ -161,13 +158,11 @@ class CheckpointManager:
         """Save ``pieces`` (file name -> state dict) as ``step`` from this rank alone, without the process group: the
         just-in-time save after a peer failed (jit.py). Written in the vanilla format for the run's world size,
         committed and published like any other save; a valid ``step-N`` committed meanwhile is kept."""
-        from .backends.vanilla import save_pieces
-
         staging = self._staging / f"jit-rank-{self.rank.rank:05d}" / layout.step_dir_name(step)
         self._prepare_step_dir(staging)
-        files = save_pieces(staging, pieces, self.rank.rank)
+        files = backend_class(JIT_FORMAT).write_pieces(staging, pieces, self.rank.rank)
         layout.write_part_record(staging, self.rank.rank, files, run_id=self.run_id)
-        layout.commit(staging, step, self.rank.world_size, "vanilla", [{"files": files}], meta=meta)
+        layout.commit(staging, step, self.rank.world_size, JIT_FORMAT, [{"files": files}], meta=meta)
         return layout.publish(staging, self.root, step, guard=self._guard, tag=f"{self.run_id}-jit",
                               replace_valid=False)
 
@@ -289,10 +284,6 @@ class CheckpointManager:
         """Block until every save in flight is committed; re-raise the first error."""
         self._reap(block_until_below=1)
 
-    @property
-    def pending(self) -> int:
-        return sum(not h.done() for h in self.in_flight)
-
     def _log_save(self, r: SaveRecord) -> None:
         rate = r.bytes / MiB / r.durable_s if r.durable_s > 0 else 0.0
         where = "committed" if self.rank.is_main else "written"
@@ -305,20 +296,19 @@ class CheckpointManager:
     # --- load ----------------------------------------------------------------------------------------------------
     def resolve(self, spec: str) -> layout.CheckpointInfo | None:
         """Rank 0 resolves `latest`/step/path and verifies it; every rank gets the same answer."""
-        result: list = [None]
+        result = None
         if self.rank.is_main:
             try:
                 if spec == "latest" and self.mirror is not None:
-                    result[0] = self.mirror.resolve_latest(self.root)
+                    result = self.mirror.resolve_latest(self.root)
                 else:
-                    result[0] = layout.resolve(self.root, spec, keep=True)
+                    result = layout.resolve(self.root, spec, keep=True)
             except CheckpointError as e:
-                result[0] = e
-        if dist.is_initialized() and self.rank.world_size > 1:
-            dist.broadcast_object_list(result, src=0)
-        if isinstance(result[0], CheckpointError):
-            raise result[0]
-        return result[0]
+                result = e
+        result = self.rank.from_main(result)
+        if isinstance(result, CheckpointError):
+            raise result
+        return result
 
     def load(self, spec: str, state: CheckpointState) -> int | None:
         """Restore ``state`` from `latest`, a step number or a path. Returns the step, or None if `latest` found none."""
@@ -331,9 +321,9 @@ class CheckpointManager:
         except ValueError as e:
             raise CheckpointError(f"{info.path}: {e}") from None
         try:
-            backend.load(info.path, info.manifest, state)
+            backend.load(info.path, info.manifest, state, verified=info.verified)
         finally:
-            layout.drop_verified()
+            info.verified.clear()  # what the load did not take is not held for the rest of the run
         self.load_seconds = time.perf_counter() - t0
         self.loaded = info
         size = info.size_bytes

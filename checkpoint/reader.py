@@ -17,7 +17,7 @@ import torch
 
 from . import layout, storage
 from .backends import BACKENDS, backend_class
-from .backends.vanilla import safe_load
+from .backends.torchfile import safe_load
 from .errors import CheckpointError
 
 

@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import torch.distributed as dist
-
 from . import layout, lease as run_lease, storage
 from .backends import RankInfo, check_combination, make_backend
 from .errors import CheckpointError
@@ -161,9 +159,8 @@ class Session:
         start fresh). Returns the step (None: nothing loaded). Nothing the run committed has moved yet."""
         s, main = self.settings, self.rank.is_main
         # One id per incarnation (part records, staging folder) and the lease's generation (fencing), on every rank.
-        run_id = [uuid.uuid4().hex[:12], self.lease.generation if self.lease else 0] if main else [None, None]
-        if dist.is_initialized() and self.rank.world_size > 1:
-            dist.broadcast_object_list(run_id, src=0)
+        run_id = self.rank.from_main([uuid.uuid4().hex[:12], self.lease.generation if self.lease else 0] if main
+                                     else None)
         if self.lease is None and run_id[1]:
             self.lease = run_lease.Lease(self.root, run_id[1])
         if self.lease is not None and main:

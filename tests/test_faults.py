@@ -504,7 +504,7 @@ def test_jit_survivor_commits_and_logs_the_step_rank0_never_logged(tmp_path):
     jit.begin_optimizer()
     jit.end_step()
     metrics.step(5, 5.0, 0.1, None, 1.0, 50, 0)
-    assert jit.recover(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")) is True
+    assert jit.save_if_survivor(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")) is True
     manifest = layout.verify(step_dir(tmp_path, 5))
     assert manifest["step"] == 5 and manifest["world_size"] == 2 and manifest["meta"]["jit"] is True
     assert {"model.pt", "train_state.pt", "rank-00000.pt", "rank-00001.pt"} <= set(manifest["files"])
@@ -530,7 +530,7 @@ def test_jit_never_saves_from_inside_the_optimizer_step(tmp_path):
     jit.begin_step()
     jit.begin_optimizer()
     assert jit.phase == OPTIMIZER
-    assert jit.recover(RuntimeError("Connection closed by peer")) is False  # -> re-raised, exit 1
+    assert jit.save_if_survivor(RuntimeError("Connection closed by peer")) is False  # -> re-raised, exit 1
     assert not list(tmp_path.glob("step-*"))
 
 

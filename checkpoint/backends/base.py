@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import torch.distributed as dist
+
 from ..errors import CheckpointError
 from ..state import TENSOR_SECTIONS, CheckpointState, holds_dtensors
 
@@ -39,6 +41,15 @@ class RankInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def from_main(self, value: Any) -> Any:
+        """Rank 0's ``value``, on every rank (a broadcast over the process group; one process: ``value`` itself).
+        Every rank calls it at the same point; what the other ranks pass is ignored."""
+        if self.world_size > 1 and dist.is_initialized():
+            box = [value]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        return value
 
 
 class PayloadHandle(ABC):
@@ -137,6 +148,18 @@ class Backend(ABC):
         raise NotImplementedError
 
     @staticmethod
+    def write_sections(step_dir: Path, sections: dict[str, dict]) -> dict[str, dict]:
+        """Write full state dicts ``{section: state_dict}`` (model, optimizer) in this backend's format under
+        ``step_dir`` (any medium), as one rank would; return their size/checksum records (convert.py)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def write_pieces(step_dir: Path, pieces: dict[str, dict], rank: int) -> dict[str, dict]:
+        """Write ``{file name: state dict}`` as this rank's files, durably; return their records. Formats of one
+        torch file per piece only (the just-in-time save writes the run's files this way, manager.save_alone)."""
+        raise NotImplementedError
+
+    @staticmethod
     def check_files(step_dir: Path, manifest: dict) -> None:
         """What ``verify`` cannot see from the manifest alone: every file this backend's load would open, as named
         inside its own payload (DCP's ``.metadata``), must be one the manifest records, inside the folder (through
@@ -160,8 +183,9 @@ class Backend(ABC):
         """Write this rank's share of ``state`` under ``step_dir`` (already created)."""
 
     @abstractmethod
-    def load(self, step_dir: Path, manifest: dict, state: CheckpointState) -> None:
-        """Restore ``state`` in place from a verified checkpoint folder."""
+    def load(self, step_dir: Path, manifest: dict, state: CheckpointState, *, verified: dict | None = None) -> None:
+        """Restore ``state`` in place from a verified checkpoint folder. ``verified``: the bytes verify() already read
+        and checked, by path (CheckpointInfo.verified); a file not there is read and verified as it arrives."""
 
 
     def close(self) -> None:

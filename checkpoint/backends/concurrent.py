@@ -50,7 +50,7 @@ from ..knobs import fault_point, persist_delay_s
 from ..state import CheckpointState
 from .base import ASYNC_ALWAYS, Backend, PayloadHandle, RankInfo
 from .torchzip import FilePlan, Plan, plan_pieces
-from .vanilla import load_pieces, payload_pieces, read_section
+from .torchfile import load_pieces, payload_pieces, read_section
 
 _log = logging.getLogger(__name__)
 
@@ -340,8 +340,8 @@ class ConcurrentBackend(Backend):
                 self._active.remove(snap)
         self.pool.release(snap.buf)
 
-    def load(self, step_dir: Path, manifest: dict, state: CheckpointState) -> None:
-        load_pieces(step_dir, manifest, state, self.rank.rank)
+    def load(self, step_dir: Path, manifest: dict, state: CheckpointState, *, verified: dict | None = None) -> None:
+        load_pieces(step_dir, manifest, state, self.rank.rank, verified)
 
 
     def memory_report(self) -> str:

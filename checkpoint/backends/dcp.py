@@ -74,7 +74,7 @@ from ..fsio import ChecksumWriter, MemoryFile, real_io_errors
 from ..knobs import fault_point
 from ..state import TENSOR_SECTIONS as TENSOR_KEYS, CheckpointState, check_compatible
 from .base import ASYNC_OPTIONAL, Backend, CompletedPayload, PayloadHandle, RankInfo
-from .vanilla import load_file, load_pieces, load_weights_only, payload_pieces, save_pieces
+from .torchfile import load_file, load_pieces, load_weights_only, payload_pieces, save_pieces
 
 METADATA = ".metadata"
 
@@ -219,8 +219,8 @@ class _VerifiedFiles:
     inside the folder, no link) and served from bytes checked against its record (the ones verify() just read, or
     read and checked now) -- DCP never reads an unverified byte."""
 
-    def __init__(self, fs, step_dir: Path, manifest: dict):
-        self._fs, self._step_dir, self._manifest = fs, Path(step_dir), manifest
+    def __init__(self, fs, step_dir: Path, manifest: dict, verified: dict[str, memoryview] | None):
+        self._fs, self._step_dir, self._manifest, self._verified = fs, Path(step_dir), manifest, verified
 
     def __getattr__(self, name):
         return getattr(self._fs, name)
@@ -232,10 +232,10 @@ class _VerifiedFiles:
         name = os.path.relpath(os.fspath(path), self._step_dir)
         where = layout.member(self._step_dir, name, self._manifest)
         record = self._manifest["files"][name]
-        yield MemoryFile(layout.take_verified(where, record, self._manifest["checksum"]))
+        yield MemoryFile(layout.take_verified(where, record, self._manifest["checksum"], self._verified))
 
 
-def _reader(step_dir, manifest: dict):
+def _reader(step_dir, manifest: dict, verified: dict[str, memoryview] | None = None):
     """A DCP storage reader for a verified checkpoint. A filesystem: every byte DCP reads is served from a verified
     read. S3: the names are checked against the manifest (verify() read and checked every object just before); the
     bytes come from s3torchconnector's own reads."""
@@ -243,7 +243,7 @@ def _reader(step_dir, manifest: dict):
     reader = medium.dcp_reader(step_dir, _SafeMetadata)
     reader.step_dir, reader.manifest = step_dir, manifest
     if medium.filesystem:
-        reader.fs = _VerifiedFiles(reader.fs, step_dir, manifest)
+        reader.fs = _VerifiedFiles(reader.fs, step_dir, manifest, verified)
     return reader
 
 
@@ -292,9 +292,9 @@ def _load_error(e: BaseException, step_dir) -> CheckpointError:
     return CheckpointError(f"loading {step_dir} with DCP failed: {first_line(leaf, 200, typed=True)}")
 
 
-def read_metadata(step_dir, manifest: dict):
+def read_metadata(step_dir, manifest: dict, verified: dict[str, memoryview] | None = None):
     try:
-        return _reader(step_dir, manifest).read_metadata()
+        return _reader(step_dir, manifest, verified).read_metadata()
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001
@@ -521,20 +521,21 @@ class DCPBackend(Backend):
         return CompletedPayload({**files, **writer.fs.records})
 
     # -- load --
-    def load(self, step_dir: Path, manifest: dict, state: CheckpointState) -> None:
+    def load(self, step_dir: Path, manifest: dict, state: CheckpointState, *, verified: dict | None = None) -> None:
         if METADATA not in manifest["files"]:
             raise CheckpointError(f"{step_dir}: manifest says backend dcp but lists no {METADATA}")
         tensors = {k: state[k].state_dict() for k in TENSOR_KEYS if k in state}
         if "model" in tensors:
-            _check_fits(read_metadata(step_dir, manifest), tensors["model"])
+            _check_fits(read_metadata(step_dir, manifest, verified), tensors["model"])
         try:
-            dcp.load(tensors, storage_reader=_reader(step_dir, manifest), planner=_LoadPlanner(), no_dist=not _dist())
+            dcp.load(tensors, storage_reader=_reader(step_dir, manifest, verified), planner=_LoadPlanner(),
+                     no_dist=not _dist())
         except (Exception, CheckpointException) as e:
             raise _load_error(e, step_dir) from None
         for key, value in tensors.items():
             state[key].load_state_dict(value)
         rest = CheckpointState({k: v for k, v in state.items() if k not in TENSOR_KEYS})
-        load_pieces(step_dir, manifest, rest, self.rank.rank)
+        load_pieces(step_dir, manifest, rest, self.rank.rank, verified)
 
 
     def close(self) -> None:
