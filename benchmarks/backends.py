@@ -247,7 +247,7 @@ def measure_backend(label: str, factory, sets: int, state: CheckpointState, root
         row.note = f"skipped: {type(e).__name__}: {e}"
         return row
     prewarm(backend, state, max(1, min(sets, burst or 1)) if sets else 0)
-    manager = CheckpointManager(root, backend, rank, run_id="bench", keep=0)
+    manager = CheckpointManager(root, backend, rank, run_id="bench")
     step = 0
     stalls, calls, durables = [], [], []
     for _ in range(saves):

@@ -510,6 +510,19 @@ def best_steps(infos: list[CheckpointInfo], k: int) -> list[int]:
     return [-neg_step for _, neg_step in sorted(scored)[:k]]
 
 
+@dataclass(frozen=True)
+class Retention:
+    """Which committed checkpoints a location keeps (see apply_retention): the newest ``keep`` (0: all), every
+    ``keep_every``-th step, the ``keep_best`` lowest eval losses. One value, given to the manager and to the mirror."""
+
+    keep: int = 0
+    keep_every: int = 0
+    keep_best: int = 0
+
+    def apply(self, root, **how) -> list[int]:
+        return apply_retention(root, self.keep, keep_every=self.keep_every, keep_best=self.keep_best, **how)
+
+
 def apply_retention(root: Path, keep: int, *, keep_every: int = 0, keep_best: int = 0,
                     in_flight: set[int] = frozenset(), guard: Callable[[str], None] = no_guard,
                     own_staging: str = "", label: str = "retention") -> list[int]:

@@ -62,9 +62,7 @@ class CheckpointManager:
         rank: RankInfo,
         *,
         run_id: str,
-        keep: int = 0,
-        keep_every: int = 0,
-        keep_best: int = 0,
+        retention: layout.Retention = layout.Retention(),
         commit_timeout_s: float = 1800.0,
         lease: Lease | None = None,
         mirror: Mirror | None = None,
@@ -74,9 +72,7 @@ class CheckpointManager:
         self.backend = backend
         self.rank = rank
         self.run_id = run_id
-        self.keep = keep
-        self.keep_every = keep_every
-        self.keep_best = keep_best
+        self.retention = retention
         self.commit_timeout_s = commit_timeout_s
         self.lease = lease  # one writer per run directory: None on object storage (no exclusive create there)
         self.mirror = mirror  # --mirror-dir, rank 0: committed checkpoints copied to a second location
@@ -139,9 +135,8 @@ class CheckpointManager:
                     self.mirror.submit(step, published, record)
                     in_flight |= self.mirror.protected()
                 try:
-                    layout.apply_retention(self.root, self.keep, keep_every=self.keep_every, keep_best=self.keep_best,
-                                           in_flight=in_flight,
-                                           guard=self._guard, own_staging=step_dir.parent.name)
+                    self.retention.apply(self.root, in_flight=in_flight, guard=self._guard,
+                                         own_staging=step_dir.parent.name)
                 except Fenced as e:
                     self._note_fenced(e)
 

@@ -55,18 +55,17 @@ def refusal(checkpoint_dir: str, mirror_dir: str, experiment: str) -> str | None
 class Mirror:
     """Copies committed checkpoints of the primary ``CheckpointManager`` to ``root`` (rank 0 only).
 
-    ``every``: mirror the steps that are multiples of it (the final checkpoint always, in ``close``). ``keep``: the
-    newest committed checkpoints kept in the mirror (0 = all), ``keep_every`` milestones and the ``keep_best`` lowest eval
-    losses too. ``timeout_s``: how long
-    ``close`` waits for the final copy. ``guard`` (set by the manager): raises Fenced once a newer incarnation owns the
+    ``every``: mirror the steps that are multiples of it (the final checkpoint always, in ``close``). ``retention``:
+    what the mirror keeps (the primary's, or --mirror-keep's newest K). ``timeout_s``: how long ``close`` waits for the
+    final copy. ``guard`` (set by the manager): raises Fenced once a newer incarnation owns the
     run, checked before every change to the mirror."""
 
-    def __init__(self, root, *, run_id: str, every: int = 1, keep: int = 0, keep_every: int = 0, keep_best: int = 0,
+    def __init__(self, root, *, run_id: str, every: int = 1, retention: layout.Retention = layout.Retention(),
                  timeout_s: float = 600.0, retries: int = RETRIES, backoff_s: float = BACKOFF_S):
         self.root = storage.as_path(root)
         self._writing = layout.writing(self.root)  # staged and published by rename, or in place
         self.run_id = run_id
-        self.every, self.keep, self.keep_every, self.keep_best = every, keep, keep_every, keep_best
+        self.every, self.retention = every, retention
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self.guard: Callable[[str], None] = layout.no_guard
         self._cv = threading.Condition()
@@ -250,9 +249,7 @@ class Mirror:
         return nbytes
 
     def _retain(self) -> None:
-        layout.apply_retention(self.root, self.keep, keep_every=self.keep_every, keep_best=self.keep_best,
-                               guard=self.guard,
-                               own_staging=self._staging_name, label="mirror retention")
+        self.retention.apply(self.root, guard=self.guard, own_staging=self._staging_name, label="mirror retention")
 
     # --- end -----------------------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import sys
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -165,14 +165,14 @@ class Session:
             self.lease = run_lease.Lease(self.root, run_id[1])
         if self.lease is not None and main:
             self.lease.start_heartbeat()
+        retention = layout.Retention(s.keep, s.keep_every, s.keep_best)
         mirror = None
         if s.mirror_dir and main:
             mirror = Mirror(storage.as_path(s.mirror_dir) / s.experiment, run_id=run_id[0], every=s.mirror_every,
-                            keep_every=s.keep_every, keep_best=s.keep_best, timeout_s=s.mirror_timeout_s,
-                            keep=s.keep if s.mirror_keep is None else s.mirror_keep)
-        self.manager = CheckpointManager(self.root, self.backend, self.rank, run_id=run_id[0], keep=s.keep,
-                                         keep_every=s.keep_every, keep_best=s.keep_best, lease=self.lease,
-                                         mirror=mirror)
+                            timeout_s=s.mirror_timeout_s, retention=retention if s.mirror_keep is None else
+                            replace(retention, keep=s.mirror_keep))
+        self.manager = CheckpointManager(self.root, self.backend, self.rank, run_id=run_id[0], retention=retention,
+                                         lease=self.lease, mirror=mirror)
         self.state = state
         return self.manager.open(spec, state)
 

@@ -184,7 +184,8 @@ def make_manager(root):
 
     def make(*, keep: int = 0, keep_every: int = 0, max_in_flight: int = 1, run_id: str = RUN) -> CheckpointManager:
         backend = FakeBackend(max_in_flight)
-        m = CheckpointManager(root, backend, RankInfo(), run_id=run_id, keep=keep, keep_every=keep_every)
+        m = CheckpointManager(root, backend, RankInfo(), run_id=run_id,
+                              retention=layout.Retention(keep=keep, keep_every=keep_every))
         m.logs = LogLines()
         made.append(backend)
         return m
