@@ -25,6 +25,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from . import storage
+from .backends import BACKENDS  # the registry alone: the backend modules, which build on this one, load lazily
 from .errors import CheckpointError
 from .fsio import CHECKSUM_ALGORITHM, HASHERS, atomic_write_bytes, checksum_bytes, fsync_dir  # noqa: F401
 from .knobs import fault_point
@@ -32,7 +33,6 @@ from .knobs import fault_point
 _log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-BACKEND_NAMES = ("vanilla", "concurrent", "dcp")  # = checkpoint.backends.BACKENDS (a test keeps them equal)
 STEP_DIR_RE = re.compile(r"^step-(\d{8,})$")
 MANIFEST = "manifest.json"
 COMMITTED = "COMMITTED"
@@ -279,7 +279,7 @@ def check_manifest(manifest, step_dir: Path) -> dict:
     fields = {
         "step": (lambda v: _is_int(v) and 0 <= v <= MAX_STEP, f"an integer from 0 to {MAX_STEP:.0e}"),
         "world_size": (lambda v: _is_int(v) and 1 <= v <= MAX_WORLD_SIZE, f"an integer from 1 to {MAX_WORLD_SIZE}"),
-        "backend": (lambda v: v in BACKEND_NAMES, f"one of {', '.join(BACKEND_NAMES)}"),
+        "backend": (lambda v: v in BACKENDS, f"one of {', '.join(BACKENDS)}"),
         "checksum": (lambda v: isinstance(v, str) and v != "", "a checksum algorithm name"),
         "files": (lambda v: isinstance(v, dict), "an object of file name -> record"),
     }

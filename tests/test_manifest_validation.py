@@ -71,6 +71,7 @@ CASES = {
     "file_record_without_size": (_drop_size, "manifest.json", "no size"),
     "step_not_int": (_set(["step"], "six"), "manifest.json", "step"),
     "world_size_zero": (_set(["world_size"], 0), "manifest.json", "world_size"),
+    "backend_unknown": (_set(["backend"], "pickle"), "manifest.json", "backend"),
     "files_is_list": (_set(["files"], []), "manifest.json", "files"),
     "format_version_99": (_set(["format_version"], 99), "manifest.json", "format_version 99"),
 }
@@ -128,9 +129,3 @@ def test_cli_on_missing_or_empty_path_is_one_error_line(command, where, tmp_path
     assert out.returncode != 0 and "Traceback" not in out.stdout + out.stderr, out.stdout + out.stderr
     assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1 and str(path) in out.stderr, out.stderr
 
-
-def test_manifest_backend_names_are_the_registered_backends():
-    from checkpoint import layout
-    from checkpoint.backends import BACKENDS
-
-    assert set(layout.BACKEND_NAMES) == set(BACKENDS)
