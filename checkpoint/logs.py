@@ -63,7 +63,8 @@ def quiet_dcp_save_process() -> None:
     """DCP's save process (dcp ``--async-checkpoint process``) logs every request to stderr through the root logger at
     INFO, and a failed save as a multi-line traceback; the training process reports every outcome itself, in one
     line. That process is a spawned child that re-imports the main program, and so this package, before it logs:
-    the package's import is the only hook early enough. Only such a child gets the filter: a program importing the
-    package keeps its root logger as it was."""
-    if multiprocessing.parent_process() is not None:
+    the package's import is the only hook early enough. Only a child process gets the filter (multiprocessing names
+    it before the re-import; ``parent_process()`` is set only after): a program importing the package keeps its root
+    logger as it was."""
+    if multiprocessing.current_process().name != "MainProcess":
         logging.getLogger().addFilter(_QuietDCPSaveProcess())
