@@ -22,7 +22,7 @@ data, data descriptors, zip64 when large). torchzip.py lays each file out in the
 disk, starting on a page boundary, so each byte is copied once (live tensor -> buffer), hashed once (xxh3, by the
 writer, from the buffer: nothing is read back) and handed to the disk with O_DIRECT from the buffer itself, with no
 page-cache copy. Tensors of one dtype in one file share one storage record (views at 64-byte aligned offsets), which
-``torch.load(weights_only=True)`` reads back as views. Loading goes through ``vanilla.load_pieces``.
+``torch.load(weights_only=True)`` reads back as views. Loading goes through ``torchfile.load_pieces``.
 
 Writers are threads, not processes: every heavy step (memcpy, xxh3, write, fsync) releases the GIL, and a process
 would need the state in shared memory plus its own cleanup on SIGKILL (an orphaned writer must never write into a

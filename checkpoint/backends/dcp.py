@@ -6,7 +6,7 @@ Files in a step folder (local or ``s3://``):
                            DDP, DCP de-duplicates the replicated tensors and spreads them over the ranks.
     .metadata              DCP's index (rank 0). A pickle: read back with an allow-list unpickler (below).
     lr_scheduler.pt train_state.pt run_info.pt [grad_scaler.pt]   rank 0; rank-NNNNN.pt: each rank's RNG + data
-                           position. Small, non-tensor or per-rank: written and read with vanilla's helpers.
+                           position. Small, non-tensor or per-rank: written and read with torchfile's helpers.
     part-rank-*.json, manifest.json, COMMITTED   layout.py, exactly as for every backend: DCP's `.metadata` is not
                            a commit (no directory fsync, no checksums, nothing about the non-tensor state).
 
@@ -438,7 +438,7 @@ class DCPBackend(Backend):
 
     # -- save --
     def _write_rest(self, step_dir, state: CheckpointState) -> dict[str, dict]:
-        """Every piece but model/optimizer, with vanilla's helpers (what goes in which file, and the local writes)."""
+        """Every piece but model/optimizer, with torchfile's helpers (what goes in which file, and how it is written)."""
         rest = CheckpointState({k: v for k, v in state.items() if k not in TENSOR_KEYS})
         pieces = payload_pieces(rest, self.rank.rank)
         return save_pieces(step_dir, pieces, self.rank.rank)

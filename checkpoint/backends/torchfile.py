@@ -104,8 +104,7 @@ def read_section(step_dir: Path, manifest: dict, section: str) -> dict[str, Any]
 def write_sections(step_dir: Path, sections: dict[str, dict]) -> dict[str, dict]:
     """Write full state dicts ``{section: state_dict}`` (model, optimizer) as ``<section>.pt`` files in ``step_dir``
     (local or s3://); return their size/checksum records. For conversion (convert.py) into this format."""
-    return {f"{s}.pt": storage.write_with(step_dir / f"{s}.pt", lambda w, sd=sd: torch.save(sd, w))
-            for s, sd in sections.items()}
+    return save_pieces(step_dir, {f"{s}.pt": sd for s, sd in sections.items()}, rank=0)
 
 
 def load_file(step_dir: Path, manifest: dict, name: str, verified: dict[str, memoryview] | None = None) -> Any:
