@@ -230,6 +230,18 @@ def build_parser() -> argparse.ArgumentParser:
               "(default: on in a SLURM job, off in a job array task, whose next task resumes instead)")
     flag("--max-restarts", type=int, default=100, help="do not requeue once SLURM_RESTART_COUNT reaches this")
 
+    g = p.add_argument_group("node-local tier: fast saves on every node, drained to --checkpoint-dir -- see "
+                             "checkpoint/tier.py")
+    flag("--local-checkpoint-dir", default=None, metavar="DIR",
+         help="a folder on each node (/dev/shm/..., a local NVMe): every save lands there first, each rank its own "
+              "part; every --checkpoint-frequency-th step (and the final or stop save) is then drained in the "
+              "background to --checkpoint-dir, the shared tier; `latest` resumes from the nearest tier")
+    flag("--local-checkpoint-frequency", type=int, default=0, metavar="N",
+         help="with --local-checkpoint-dir: save to the local tier every N steps (0 = at the shared frequency); "
+              "--checkpoint-frequency must be a multiple")
+    flag("--local-checkpoint-keep", type=int, default=2, metavar="K",
+         help="with --local-checkpoint-dir: each rank keeps its newest K local steps")
+
     g = p.add_argument_group("mirror: a second location for checkpoints -- see checkpoint/mirror.py")
     flag("--mirror-dir", default=None, metavar="DIR|s3://BUCKET/PREFIX",
          help="also copy committed checkpoints to <mirror-dir>/<experiment_name>/ in the background (committed and "
@@ -284,6 +296,7 @@ NUMERIC_FLAGS: tuple[tuple[str, float, bool], ...] = (
     ("profile_step_start", 1, True), ("profile_step_end", 1, True), ("eval_windows", 0, True), ("keep_best", 0, True),
     ("mirror_every", 1, True), ("mirror_keep", 0, True), ("mirror_timeout", 0, False),
     ("min_lr_ratio", 0, True), ("weight_decay", 0, True), ("gradient_accumulation_steps", 1, True),
+    ("local_checkpoint_frequency", 0, True), ("local_checkpoint_keep", 1, True),
 )
 
 
@@ -309,6 +322,7 @@ PATH_FLAGS = (("dataset", "a parquet file, a folder of them or a glob"), ("data_
               ("checkpoint_dir", "a folder or s3://bucket/prefix"), ("experiment_name", "a run name"),
               ("resume_from_checkpoint", "`latest`, a step or a path"),
               ("mirror_dir", "a folder or s3://bucket/prefix"), ("model", "a preset or a config.json"),
+              ("local_checkpoint_dir", "a folder on each node"),
               ("init_from", "a Hugging Face model folder"),
               ("log_loss_to_csv", "a file path, or the flag alone for <checkpoint-dir>/<experiment_name>/loss.csv"))
 

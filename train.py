@@ -169,7 +169,9 @@ def checkpoint_settings(args: argparse.Namespace, env: distributed.DistEnv) -> S
         keep_every=args.keep_every, keep_best=args.keep_best,
         keep_files=("loss.csv", RESOLVED_CONFIG),  # an abandoned line's checkpoints go with its loss rows and flags
         mirror_dir=args.mirror_dir, mirror_every=args.mirror_every, mirror_keep=args.mirror_keep,
-        mirror_timeout_s=mirror_wait, force_takeover=args.force_takeover, on_save_error=args.on_save_error, when=when)
+        mirror_timeout_s=mirror_wait, force_takeover=args.force_takeover, on_save_error=args.on_save_error, when=when,
+        local_dir=args.local_checkpoint_dir, local_every=args.local_checkpoint_frequency,
+        local_keep=args.local_checkpoint_keep)
 
 
 def check_resume(args: argparse.Namespace, session: Session) -> None:

@@ -32,6 +32,9 @@ PYRECOVER_CRASH_AT_STEP=k[:rank[:MODE]]        train.py                         
                                                                                                  install_crash_hook()
   ``rank`` (default 0) dies right after the forward pass of step k (before backward and its all-reduce): MODE
   ``kill`` (SIGKILL, default), ``raise`` or ``hang``.
+PYRECOVER_TEST_RANKS_PER_NODE=N               checkpoint/session.py                test-only    node_name()
+  ranks r and r' count as one node when r // N == r' // N (torchrun on one host emulating several nodes, each with
+  its own node-local checkpoint tier). Unset: the host name decides.
 PYRECOVER_PROGRESS=1                           train.py                             test-only    force_progress()
   plain progress lines even when stderr is not a terminal.
 PYRECOVER_SWAP_AFTER_LOAD=NAME,NAME            train.py                             test-only    swap_after_load()
@@ -125,6 +128,16 @@ def crash_at_step(environ: Mapping[str, str] | None = None) -> tuple[int, int, s
     parts = spec.split(":")
     mode = parts[2] if len(parts) > 2 and parts[2] else "kill"  # anything but raise/hang kills
     return int(parts[0]), int(parts[1]) if len(parts) > 1 and parts[1] else 0, mode
+
+
+def node_name(rank: int, environ: Mapping[str, str] | None = None) -> str:
+    """The node this rank runs on, as the node-local tier groups ranks: the host name, or with
+    PYRECOVER_TEST_RANKS_PER_NODE=N (test-only) node ``rank // N`` of this host."""
+    import socket
+
+    per_node = _env(environ).get("PYRECOVER_TEST_RANKS_PER_NODE", "")
+    host = socket.gethostname()
+    return f"{host}/node-{rank // int(per_node)}" if per_node else host
 
 
 def force_progress(environ: Mapping[str, str] | None = None) -> bool:

@@ -349,6 +349,8 @@ _OPT_STR = (str, type(None))
 # malformed -- checked once, when it is read, so no reader has to defend itself.
 META_SCHEMA = {
     "jit": bool,
+    "tier": {"origin": str, "lineage": str, "job": str, "rank": _is_count, "leader": _is_count,
+             "world_size": _is_count},
     "card": {
         "model": {"preset": str, "params": _is_count, "config": dict},
         "data": {"dataset": str, "fingerprint": _OPT_STR, "tokenizer": _OPT_STR, "sequence_length": _is_count,
@@ -525,7 +527,7 @@ class Retention:
 
 def apply_retention(root: Path, keep: int, *, keep_every: int = 0, keep_best: int = 0,
                     in_flight: set[int] = frozenset(), guard: Callable[[str], None] = no_guard,
-                    own_staging: str = "", label: str = "retention") -> list[int]:
+                    own_staging: str = "", label: str = "retention", quiet: bool = False) -> list[int]:
     """Delete committed checkpoints beyond the newest ``keep`` (by numeric step). Returns the deleted steps.
 
     Never deletes: the newest committed checkpoint, anything in flight, milestones (step % keep_every == 0), the
@@ -533,7 +535,8 @@ def apply_retention(root: Path, keep: int, *, keep_every: int = 0, keep_best: in
     uncommitted folders newer than the newest committed one (they may be a save in progress on object storage, which
     writes in place). Also sweeps staging folders of other incarnations (``own_staging`` is ours): the lease makes
     them dead, since they can never be published. ``guard(what)`` raises if this incarnation is fenced. Called only
-    after a new checkpoint has committed. ``label`` begins each log line (the mirror's retention says so).
+    after a new checkpoint has committed. ``label`` begins each log line (the mirror's retention says so); ``quiet``:
+    no line per deletion (the local tier's, at every save).
     """
     if keep <= 0:
         writing(root).sweep(root, own_staging, guard)
@@ -560,7 +563,8 @@ def apply_retention(root: Path, keep: int, *, keep_every: int = 0, keep_best: in
                 _log.warning(f"warning: {label}: {e}")
             continue
         removed.append(info.step)
-        _log.info(f"{label}: removed {info.path.name}")
+        if not quiet:
+            _log.info(f"{label}: removed {info.path.name}")
     if removed:
         storage.sync_dir(storage.as_path(root))
     writing(root).sweep(root, own_staging, guard)

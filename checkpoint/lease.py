@@ -211,6 +211,15 @@ def _create_exclusive(path: Path, record: dict) -> None:
         os.close(fd)
 
 
+def lineage(root: Path) -> str:
+    """The token of the oldest generation record under ``root``: the same for every incarnation of a run directory,
+    new when the directory (or its ``.owner``) was deleted and a run started anew ("" without a lease). The node-local
+    tier (tier.py) tells its own steps from a dead run's by it."""
+    owner = Path(root) / OWNER_DIR
+    gens = generations(owner)
+    return str((_read(owner / _gen_name(gens[0])) or {}).get("token", "")) if gens else ""
+
+
 def generations(owner_dir: Path) -> list[int]:
     try:
         return sorted(int(m.group(1)) for m in map(_GEN_RE.match, os.listdir(owner_dir)) if m)

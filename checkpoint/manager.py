@@ -23,6 +23,7 @@ from .fsio import MiB, is_disk_full
 from .lease import Fenced, Lease
 from .mirror import Mirror
 from .state import CheckpointState
+from .tier import Drainer, LocalTier, everywhere
 
 _log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class SaveRecord:
     blocking_s: float
     durable_s: float = 0.0
     mirror_s: float = 0.0  # until this checkpoint was also in the mirror (mirror.py; 0: not mirrored)
+    shared_s: float = 0.0  # with a local tier: until it was committed in the shared tier too (0: local only)
     bytes: int = 0
 
 
@@ -66,6 +68,7 @@ class CheckpointManager:
         commit_timeout_s: float = 1800.0,
         lease: Lease | None = None,
         mirror: Mirror | None = None,
+        tier: LocalTier | None = None,
     ):
         self.root = storage.as_path(root)  # a local Path or an s3:// S3Path
         self._writing = layout.writing(self.root)  # staged and published by rename, or in place
@@ -78,6 +81,8 @@ class CheckpointManager:
         self.mirror = mirror  # --mirror-dir, rank 0: committed checkpoints copied to a second location
         if mirror is not None:
             mirror.guard = self._guard
+        self.tier = tier  # --local-checkpoint-dir: every save lands there first; some are drained here (tier.py)
+        self._drainer = Drainer(tier, self._land) if tier is not None else None
         self._fenced_logged = False
         self.in_flight: deque[SaveHandle] = deque()
         self.history: list[SaveRecord] = []
@@ -85,60 +90,64 @@ class CheckpointManager:
         self.loaded: layout.CheckpointInfo | None = None  # what load() restored (its manifest holds the card)
 
     # --- save ----------------------------------------------------------------------------------------------------
-    def save(self, step: int, state: CheckpointState, meta: dict | None = None) -> SaveHandle:
+    def save(self, step: int, state: CheckpointState, meta: dict | None = None, *, shared: bool = True) -> SaveHandle:
         """Start saving ``state`` as ``step``. Returns once the state is captured; the backend decides whether the bytes
         land before (vanilla) or after (async backends) this returns. Raises errors of earlier background saves.
-        ``meta``: what rank 0 records in the manifest (the checkpoint's card)."""
+        ``meta``: what rank 0 records in the manifest (the checkpoint's card). With a local tier the save lands there
+        first; ``shared``: it is then drained to the shared tier in the background (else it stays local only)."""
         self._reap(block_until_below=self.backend.max_in_flight)
         t0 = time.perf_counter()
-        step_dir = self._writing.save_dir(self.root, self.run_id, step)
+        tier = self.tier
+        step_dir = self._writing.save_dir(self.root, self.run_id, step) if shared else None
         failed = None
-        if self.rank.is_main:
+        if self.rank.is_main and step_dir is not None:
             try:
                 self._prepare_step_dir(step_dir)
             except (OSError, CheckpointError) as e:
                 failed = self._save_failed(step, step_dir, e)
-        failed = self.rank.from_main(failed)  # no rank writes into the folder before rank 0 has made it
+        if step_dir is not None:
+            failed = self.rank.from_main(failed)  # no rank writes into the folder before rank 0 has made it
         if failed is not None:
             raise failed
+        write_dir = step_dir
         try:
-            payload = self.backend.save(step_dir, state)
+            if tier is not None:
+                self._guard("start a save")
+                write_dir = tier.save_dir(self.run_id, step)
+                tier.check_space(state.nbytes(self.backend.writes_shared))
+            payload = self.backend.save(write_dir, state)
         except (OSError, CheckpointError) as e:
-            raise self._save_failed(step, step_dir, e) from None
+            raise self._save_failed(step, step_dir, e, local=write_dir if tier is not None else None) from None
         record = SaveRecord(step, blocking_s=time.perf_counter() - t0)
 
         def finish() -> None:
             try:
                 files = payload.wait()
-                layout.write_part_record(step_dir, self.rank.rank, files, run_id=self.run_id)
-                record.bytes = sum(r["size"] for r in files.values())
-                if self.rank.is_main:
-                    parts = layout.wait_for_part_records(step_dir, self.rank.world_size, self.commit_timeout_s,
-                                                         self.run_id, guard=self._guard)
-                    self._guard(f"commit step {step}")
-                    layout.commit(step_dir, step, self.rank.world_size, self.backend.name, parts, meta=meta)
-                    published = self._writing.publish(step_dir, self.root, step, guard=self._guard, tag=self.run_id)
-                    record.bytes = sum(r["size"] for p in parts for r in p["files"].values())
+                if tier is None:
+                    self._land(step, step_dir, files, meta=meta, record=record, t0=t0)
+                    return
+                self._guard(f"commit step {step} in the local tier")
+                tier.commit(write_dir, step, files, backend=self.backend.name, run_id=self.run_id, meta=meta or {},
+                            guard=self._guard)
             except (OSError, CheckpointError) as e:
-                error = self._save_failed(step, step_dir, e)
+                error = self._save_failed(step, step_dir, e, local=write_dir if tier is not None else None)
                 if isinstance(error, Fenced):  # e.g. the new owner swept our staging folder mid-write
                     self._note_fenced(error)
                     return
                 raise error from None
+            record.bytes = sum(r["size"] for r in files.values())
             record.durable_s = time.perf_counter() - t0
-            self._log_save(record)
             if self.rank.is_main:
-                # list(): a C-level copy, atomic under the GIL; iterating the deque itself from this background thread
-                # races with the training thread appending/reaping ("deque mutated during iteration").
-                in_flight = {h.step for h in list(self.in_flight) if h.step != step}
-                if self.mirror is not None:  # before retention, which must keep what the mirror will still read
-                    self.mirror.submit(step, published, record)
-                    in_flight |= self.mirror.protected()
-                try:
-                    self.retention.apply(self.root, in_flight=in_flight, guard=self._guard,
-                                         own_staging=step_dir.parent.name)
-                except Fenced as e:
-                    self._note_fenced(e)
+                _log.info(f"checkpoint step {step} in the local tier: {record.bytes / MiB:.1f} MiB on rank 0, blocked "
+                          f"{record.blocking_s:.2f}s, durable after {record.durable_s:.2f}s"
+                          + ("; draining to the shared tier" if step_dir is not None else ""))
+            if step_dir is not None:
+                self._drainer.submit(step, step_dir, meta=meta, record=record, t0=t0)
+            try:
+                tier.retain(self._drainer.pending | {h.step for h in list(self.in_flight) if h.step != step},
+                            self._guard, own_staging=write_dir.parent.name)
+            except Fenced as e:
+                self._note_fenced(e)
 
         if payload.done():
             finish()
@@ -148,6 +157,51 @@ class CheckpointManager:
         self.history.append(record)
         self.in_flight.append(handle)
         return handle
+
+    def _land(self, step: int, step_dir: Path, files: dict[str, dict], *, meta: dict | None, record: SaveRecord,
+              t0: float) -> None:
+        """This rank's files of ``step`` are durable in ``step_dir`` (the shared tier): its part record; rank 0 then
+        waits for every rank's, commits, publishes, hands the checkpoint to the mirror and applies retention. Runs in
+        the thread that wrote them (the save's, or the local tier's drainer)."""
+        try:
+            layout.write_part_record(step_dir, self.rank.rank, files, run_id=self.run_id)
+            if self.tier is None:
+                record.bytes = sum(r["size"] for r in files.values())
+            if self.rank.is_main:
+                parts = layout.wait_for_part_records(step_dir, self.rank.world_size, self.commit_timeout_s,
+                                                     self.run_id, guard=self._guard)
+                self._guard(f"commit step {step}")
+                layout.commit(step_dir, step, self.rank.world_size, self.backend.name, parts, meta=meta)
+                published = self._writing.publish(step_dir, self.root, step, guard=self._guard, tag=self.run_id)
+                record.bytes = sum(r["size"] for p in parts for r in p["files"].values())
+        except (OSError, CheckpointError) as e:
+            error = self._save_failed(step, step_dir, e)
+            if isinstance(error, Fenced):  # e.g. the new owner swept our staging folder mid-write
+                self._note_fenced(error)
+                return
+            raise error from None
+        if self.tier is None:
+            record.durable_s = time.perf_counter() - t0
+            self._log_save(record)
+        else:
+            record.shared_s = time.perf_counter() - t0
+            if self.rank.is_main:
+                _log.info(f"checkpoint step {step} committed in the shared tier {self.root}, drained from the local "
+                          f"tier ({record.shared_s:.2f}s after the save began)")
+        if self.rank.is_main:
+            # list(): a C-level copy, atomic under the GIL; iterating the deque itself from this background thread
+            # races with the training thread appending/reaping ("deque mutated during iteration").
+            in_flight = {h.step for h in list(self.in_flight) if h.step != step}
+            if self._drainer is not None:
+                in_flight |= self._drainer.pending - {step}
+            if self.mirror is not None:  # before retention, which must keep what the mirror will still read
+                self.mirror.submit(step, published, record)
+                in_flight |= self.mirror.protected()
+            try:
+                self.retention.apply(self.root, in_flight=in_flight, guard=self._guard,
+                                     own_staging=step_dir.parent.name)
+            except Fenced as e:
+                self._note_fenced(e)
 
     def save_alone(self, step: int, pieces: dict[str, dict], *, meta: dict) -> Path:
         """Save ``pieces`` (file name -> state dict) as ``step`` from this rank alone, without the process group: the
@@ -192,15 +246,23 @@ class CheckpointManager:
         self._guard("start a save")
         self._writing.prepare(step_dir)
 
-    def _save_failed(self, step: int, step_dir: Path, e: OSError | CheckpointError) -> CheckpointError:
+    def _save_failed(self, step: int, step_dir: Path | None, e: OSError | CheckpointError, *,
+                     local: Path | None = None) -> CheckpointError:
         """Clean up after a failed save; the one-line error to raise (Fenced if a newer incarnation took over: then the
-        failure is a consequence of that, and nothing is cleaned up -- the run directory is no longer ours)."""
+        failure is a consequence of that, and nothing is cleaned up -- the run directory is no longer ours).
+        ``local``: the save failed in the local tier, in that staging folder (``step_dir``: the shared tier's, if the
+        step was to be drained, where the other ranks must learn that this part will not come)."""
         if isinstance(e, Fenced):
             return e
         if self.fenced:
             return Fenced(self.lease.fenced_message)
-        self._abandon(step_dir, e)
-        return self._io_error(step, e) if isinstance(e, OSError) else e
+        if local is not None:
+            self.tier.discard(local)
+        if step_dir is not None:
+            self._abandon(step_dir, e)
+        if not isinstance(e, OSError):
+            return e
+        return self._io_error(step, e, *((self.tier.root.parent.parent, "--local-checkpoint-dir") if local else ()))
 
     def _abandon(self, step_dir: Path, e: OSError | CheckpointError) -> None:
         """A save failed on this rank. Rank 0 removes the uncommitted folder (a full disk gets its space back for the next
@@ -213,13 +275,14 @@ class CheckpointManager:
         except OSError:
             pass
 
-    def _io_error(self, step: int, e: OSError) -> CheckpointError:
+    def _io_error(self, step: int, e: OSError, where=None, flag: str = "--checkpoint-dir") -> CheckpointError:
+        where = where or self.root
         if is_disk_full(e):
             return CheckpointError(
-                f"saving step {step} to {self.root} failed: no space left on device; free space or point "
-                "--checkpoint-dir elsewhere (the previous checkpoint is intact)"
+                f"saving step {step} to {where} failed: no space left on device; free space or point "
+                f"{flag} elsewhere (the previous checkpoint is intact)"
             )
-        return CheckpointError(f"saving step {step} to {self.root} failed: {e.strerror or e} ({e.filename or ''})")
+        return CheckpointError(f"saving step {step} to {where} failed: {e.strerror or e} ({e.filename or ''})")
 
     def _reap(self, block_until_below: int) -> None:
         """Collect finished saves (re-raising their errors); block while too many are in flight.
@@ -274,10 +337,15 @@ class CheckpointManager:
     def poll(self) -> None:
         """Surface background errors at a step boundary without blocking."""
         self._reap(block_until_below=1 << 30)
+        if self._drainer is not None:
+            self._drainer.poll()
 
     def wait(self) -> None:
-        """Block until every save in flight is committed; re-raise the first error."""
+        """Block until every save in flight is committed (and drained to the shared tier, if it was to be); re-raise
+        the first error."""
         self._reap(block_until_below=1)
+        if self._drainer is not None:
+            self._drainer.wait()
 
     def _log_save(self, r: SaveRecord) -> None:
         rate = r.bytes / MiB / r.durable_s if r.durable_s > 0 else 0.0
@@ -306,11 +374,19 @@ class CheckpointManager:
         return result
 
     def load(self, spec: str, state: CheckpointState) -> int | None:
-        """Restore ``state`` from `latest`, a step number or a path. Returns the step, or None if `latest` found none."""
+        """Restore ``state`` from `latest`, a step number or a path. Returns the step, or None if `latest` found none.
+        With a local tier, `latest` is the newest step every rank can load from one of the two tiers (``_nearest``)."""
         t0 = time.perf_counter()
+        if self.tier is not None and spec == "latest":
+            return self._nearest(state, t0)
         info = self.resolve(spec)
         if info is None:
             return None
+        self._load_shared(info, state)
+        self._loaded(info, t0)
+        return info.step
+
+    def _load_shared(self, info: layout.CheckpointInfo, state: CheckpointState) -> None:
         try:
             backend = loader_for(info.manifest, self.rank)
         except ValueError as e:
@@ -319,14 +395,67 @@ class CheckpointManager:
             backend.load(info.path, info.manifest, state, verified=info.verified)
         finally:
             info.verified.clear()  # what the load did not take is not held for the rest of the run
+
+    def _nearest(self, state: CheckpointState, t0: float) -> int | None:
+        """Resume from the nearest tier: every rank's verified local steps are gathered; the newest that every rank
+        holds locally wins if the shared tier has nothing newer committed; otherwise the shared tier's `latest`, which
+        each rank still loads from its local tier if it holds that step. A step restored only from local tiers is then
+        drained to the shared tier, so losing a node right after loses nothing."""
+        local = self.tier.loadable()
+        best_local = everywhere(local, self.rank.gather)
+        newest_shared = self.rank.from_main(max((i.step for r in self._roots() for i in layout.list_checkpoints(r)
+                                                 if i.committed), default=None) if self.rank.is_main else None)
+        info = None
+        if newest_shared is not None and (best_local is None or newest_shared > best_local):
+            info = self.resolve("latest")  # verified on rank 0 (perhaps an older one); the same answer everywhere
+        if info is not None and (best_local is None or info.step > best_local):
+            step = info.step  # from the shared tier, but a rank holding it locally loads that copy
+        elif best_local is not None:
+            step, info = best_local, None
+        else:
+            return None
+        mine = local.get(step)
+        if mine is not None:
+            self.tier.load(mine, state)
+        else:
+            self._load_shared(info, state)
+        here = self.rank.gather(mine is not None)
+        # What was loaded, as rank 0 sees it, on every rank (its card: the resume checks agree across ranks)
+        self._loaded(self.rank.from_main(mine or info), t0, tier=f"{sum(here)} of {len(here)} ranks from their local "
+                     "tier" + (f", {len(here) - sum(here)} from the shared tier" if not all(here) else ""))
+        for held in [info] + list(local.values()):
+            if held is not None:
+                held.verified.clear()  # what the load did not take is not held for the rest of the run
+        if info is None:
+            self._drain_restored(step, self.loaded.manifest.get("meta", {}))
+        return step
+
+    def _drain_restored(self, step: int, meta: dict) -> None:
+        """A step restored from the local tiers alone goes to the shared tier now (in the background), unless it is
+        there already."""
+        there = self.rank.from_main((self.root / layout.step_dir_name(step) / layout.COMMITTED).exists()
+                                    if self.rank.is_main else None)
+        if there:
+            return
+        step_dir = self._writing.save_dir(self.root, self.run_id, step)
+        if self.rank.is_main:
+            self._prepare_step_dir(step_dir)
+        self.rank.from_main(None)  # rank 0 made the folder
+        meta = {k: v for k, v in meta.items() if k != "tier"}
+        self._drainer.submit(step, step_dir, meta=meta, record=SaveRecord(step, 0.0), t0=time.perf_counter())
+
+    def _roots(self) -> list:
+        return [self.root] + ([self.mirror.root] if self.mirror is not None else [])
+
+    def _loaded(self, info: layout.CheckpointInfo, t0: float, tier: str = "") -> None:
         self.load_seconds = time.perf_counter() - t0
         self.loaded = info
         size = info.size_bytes
         _log.info(
-            f"resumed from {info.path} (step {info.step}, {info.manifest['backend']} backend, "
-            f"{size / MiB:.1f} MiB in {self.load_seconds:.2f}s, {size / MiB / max(self.load_seconds, 1e-9):.0f} MiB/s)"
+            f"resumed from {info.path} (step {info.step}, {info.manifest['backend']} backend"
+            + (f"; {tier}" if tier else "")
+            + f", {size / MiB:.1f} MiB in {self.load_seconds:.2f}s, {size / MiB / max(self.load_seconds, 1e-9):.0f} MiB/s)"
         )
-        return info.step
 
     # An incarnation opens the run directory in two halves, so the caller can check what was loaded before anything
     # moves: ``open`` (sweep, load), then ``follow`` (retire the line it no longer follows).
@@ -339,6 +468,10 @@ class CheckpointManager:
             self._writing.recover(self.root, self._staging.name, self._guard, label="run directory", mine=False)
         if self.mirror is not None:
             self.mirror.recover()
+        if self.tier is not None:
+            self.tier.recover(self._staging.name)
+            if not spec:
+                self.tier.clear()  # a fresh start: nothing local belongs to it
         return self.load(spec, state) if spec else None
 
     def follow(self, step: int | None, *, keep_files: tuple[str, ...] = ()) -> None:
@@ -350,6 +483,8 @@ class CheckpointManager:
             except OSError as e:
                 raise CheckpointError(f"cannot move the abandoned line's checkpoints aside under {self.root}: "
                                       f"{e.strerror or e}") from None
+        if self.tier is not None:
+            self.tier.retire_newer(step or 0)
         if self.mirror is not None:
             self.mirror.start(step or 0, self.root)
 
@@ -369,6 +504,8 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            if self._drainer is not None:
+                self._drainer.close()
             if self.mirror is not None:  # the final checkpoint reaches the mirror before a clean exit (bounded wait)
                 self.mirror.close()
             self.backend.close()

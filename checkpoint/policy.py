@@ -334,7 +334,7 @@ class StepBoundary:
         if self.save_history:
             for r in self.save_history[-8:]:  # the newest ones; async saves fill durable_s (and mirror_s) later
                 # a clean exit also waits for the final checkpoint to reach the mirror (--mirror-dir)
-                self.walltime.observe_save(max(r.blocking_s, r.durable_s) + r.mirror_s)
+                self.walltime.observe_save(max(r.blocking_s, r.durable_s, r.shared_s) + r.mirror_s)
 
     def _why(self, agreed: int) -> str:
         if agreed == FENCED:

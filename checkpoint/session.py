@@ -25,15 +25,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from . import layout, lease as run_lease, storage
+from . import knobs, layout, lease as run_lease, slurm, storage
 from .backends import RankInfo, check_combination, make_backend
 from .errors import CheckpointError
 from .jit import JustInTime, NoJIT
 from .manager import CheckpointManager, SaveRecord
 from .mirror import Mirror, refusal as mirror_refusal
-from .policy import SignalWatcher, When, step_boundary
+from .policy import FINISHED, NONE, SignalWatcher, When, step_boundary
 from .reader import section_reader
 from .state import CheckpointState, RunInfo
+from .tier import LocalTier
 
 _log = logging.getLogger(__name__)
 
@@ -63,6 +64,11 @@ class Settings:
     force_takeover: bool = False  # fence a live holder of the run directory
     on_save_error: str = "stop"  # "continue": warn, train on, retry at the next save
     when: When = field(default_factory=When)
+    # the node-local tier (tier.py): every save lands in local_dir first; every when.every_steps-th step (and every
+    # stop or final save) is drained from there to checkpoint_dir, the shared tier
+    local_dir: str | None = None
+    local_every: int = 0  # a local save every N steps (when.every_steps must be a multiple)
+    local_keep: int = 2  # newest local steps kept per rank
 
 
 def _say(line: str) -> None:
@@ -80,6 +86,8 @@ class Session:
         check_combination(s.backend, sharded=s.sharded, checkpoint_dir=s.checkpoint_dir, async_save=s.async_save,
                           jit=s.jit)
         if s.mirror_dir and (why := mirror_refusal(s.checkpoint_dir, s.mirror_dir, s.experiment)):
+            raise CheckpointError(why)
+        if s.local_dir and (why := local_tier_refusal(s)):
             raise CheckpointError(why)
         self.settings, self.rank, self.agree, self.signals, self.started = s, rank, agree, signals, started
         self.root = storage.as_path(s.checkpoint_dir) / s.experiment
@@ -159,8 +167,8 @@ class Session:
         start fresh). Returns the step (None: nothing loaded). Nothing the run committed has moved yet."""
         s, main = self.settings, self.rank.is_main
         # One id per incarnation (part records, staging folder) and the lease's generation (fencing), on every rank.
-        run_id = self.rank.from_main([uuid.uuid4().hex[:12], self.lease.generation if self.lease else 0] if main
-                                     else None)
+        run_id = self.rank.from_main([uuid.uuid4().hex[:12], self.lease.generation if self.lease else 0,
+                                      run_lease.lineage(self.root) if self.filesystem else ""] if main else None)
         if self.lease is None and run_id[1]:
             self.lease = run_lease.Lease(self.root, run_id[1])
         if self.lease is not None and main:
@@ -171,10 +179,22 @@ class Session:
             mirror = Mirror(storage.as_path(s.mirror_dir) / s.experiment, run_id=run_id[0], every=s.mirror_every,
                             timeout_s=s.mirror_timeout_s, retention=retention if s.mirror_keep is None else
                             replace(retention, keep=s.mirror_keep))
+        tier = self._local_tier(lineage=run_id[2]) if s.local_dir else None
         self.manager = CheckpointManager(self.root, self.backend, self.rank, run_id=run_id[0], retention=retention,
-                                         lease=self.lease, mirror=mirror)
+                                         lease=self.lease, mirror=mirror, tier=tier)
         self.state = state
         return self.manager.open(spec, state)
+
+    def _local_tier(self, lineage: str) -> LocalTier:
+        """This rank's folder in its node's local tier. The node's first rank (by the host names every rank reports)
+        is its leader: it writes the shared pieces there, once per node."""
+        s = self.settings
+        nodes = self.rank.gather(knobs.node_name(self.rank.rank))
+        leader = nodes.index(nodes[self.rank.rank])
+        identity = {"origin": str(self.root), "lineage": lineage, "job": slurm.job_id() or ""}
+        tier = LocalTier(s.local_dir, s.experiment, self.rank, leader=leader, identity=identity, keep=s.local_keep)
+        self.backend.writes_shared = tier.writes_shared
+        return tier
 
     @property
     def loaded(self) -> layout.CheckpointInfo | None:
@@ -186,7 +206,10 @@ class Session:
         retired, so a later `latest` cannot jump back to them; the mirror starts; the stop policy is set up."""
         self.manager.follow(step, keep_files=self.settings.keep_files)
         main = self.rank.is_main
-        self.policy = step_boundary(self.settings.when, rank=self.rank.rank, agree=self.agree, signals=self.signals,
+        when = self.settings.when
+        if self.settings.local_dir:  # every save goes to the local tier; step_boundary decides which are drained
+            when = replace(when, every_steps=self.settings.local_every or when.every_steps)
+        self.policy = step_boundary(when, rank=self.rank.rank, agree=self.agree, signals=self.signals,
                                     save_history=self.manager.history, start=self.started,
                                     fenced=(lambda: self.manager.fenced) if main else None)
 
@@ -216,13 +239,20 @@ class Session:
         try:
             self.manager.poll()  # surface background save errors at a step boundary
             if decision.save:
-                self.manager.save(step, self.state, meta=describe())
+                self.manager.save(step, self.state, meta=describe(), shared=self._shared_due(step, decision.vote))
                 self._saved_at = step
         except run_lease.Fenced:
             pass  # a newer incarnation owns the run directory: the policy's next vote stops every rank, saving nothing
         except CheckpointError as e:  # e.g. disk full
             self._save_failed(e, step)
         return decision.stop
+
+    def _shared_due(self, step: int, vote: int) -> bool:
+        """Whether this save goes to the shared tier: always without a local tier; with one, at the shared interval,
+        the final step, and every save a vote asked for (a stop, the wall-clock interval)."""
+        when = self.settings.when
+        return (not self.settings.local_dir or vote != NONE or step == when.final_step
+                or (when.every_steps > 0 and step % when.every_steps == 0))
 
     def _save_failed(self, error: CheckpointError, step: int) -> None:
         if self.settings.on_save_error == "stop":
@@ -260,7 +290,10 @@ class Session:
     def finish(self, step: int) -> str:
         """After ``close``: requeue if the policy says so (rank 0). The outcome, the same on every rank
         (policy.FINISHED, REQUEUED, STOPPED or REQUEUE_FAILED)."""
-        return self.policy.finish(step, self.settings.when.final_step)
+        outcome = self.policy.finish(step, self.settings.when.final_step)
+        if outcome == FINISHED and self.manager.tier is not None:
+            self.manager.tier.clear()  # the final step is in the shared tier: the local copies have done their job
+        return outcome
 
     # --- what happened ---------------------------------------------------------------------------------------------
     @property
@@ -278,3 +311,21 @@ class Session:
         """Where files that stay on local disk go (loss CSV, profiler traces): the run folder, or ``fallback`` when
         the run folder is object storage."""
         return self.root if self.filesystem else fallback
+
+
+def local_tier_refusal(s: Settings) -> str | None:
+    """Why ``--local-checkpoint-dir`` cannot work with these settings, in one line, or None."""
+    if not storage.medium(s.local_dir).filesystem:
+        return f"--local-checkpoint-dir {s.local_dir} must be a folder on each node (/dev/shm/..., a local NVMe disk)"
+    if s.backend not in ("vanilla", "concurrent"):
+        return (f"--local-checkpoint-dir works with --checkpoint-backend vanilla or concurrent; the {s.backend} backend "
+                "writes one collective metadata file no node holds alone")
+    if s.local_every < 0 or s.local_keep < 1:
+        return "--local-checkpoint-frequency must be at least 0 and --local-checkpoint-keep at least 1"
+    if s.local_every and s.when.every_steps % s.local_every:
+        return (f"--checkpoint-frequency {s.when.every_steps} must be a multiple of --local-checkpoint-frequency "
+                f"{s.local_every}: the shared tier receives local steps")
+    local = Path(s.local_dir).resolve()
+    if storage.medium(s.checkpoint_dir).filesystem and local == Path(s.checkpoint_dir).resolve():
+        return "--local-checkpoint-dir must differ from --checkpoint-dir (the shared tier)"
+    return None

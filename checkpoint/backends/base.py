@@ -51,6 +51,14 @@ class RankInfo:
             return box[0]
         return value
 
+    def gather(self, value: Any) -> list:
+        """Every rank's ``value``, in rank order, on every rank (an all-gather; one process: ``[value]``)."""
+        if self.world_size > 1 and dist.is_initialized():
+            out = [None] * self.world_size
+            dist.all_gather_object(out, value)
+            return out
+        return [value]
+
 
 class PayloadHandle(ABC):
     """What `Backend.save` returns. ``wait_staged`` returns once the state has been captured (the model and optimizer may
@@ -127,6 +135,9 @@ class Backend(ABC):
 
     def __init__(self, rank: RankInfo):
         self.rank = rank
+        #: this rank writes the shared (replicated) pieces of a non-sharded state: rank 0, and in the node-local tier
+        #: every node's first rank (tier.py), so each node can restore from its own memory
+        self.writes_shared = rank.is_main
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -312,7 +312,7 @@ class ConcurrentBackend(Backend):
     def save(self, step_dir: Path, state: CheckpointState) -> PayloadHandle:
         self.check_state(state)
         t0 = time.perf_counter()
-        plan = plan_pieces(payload_pieces(state, self.rank.rank))
+        plan = plan_pieces(payload_pieces(state, self.rank.rank, shared=self.writes_shared))
         pin = torch.cuda.is_available() and any(t.device.type == "cuda" for t, _ in plan.copies)
         with self._lock:
             in_flight = sum(1 for s in self._active if not s.done()) + 1

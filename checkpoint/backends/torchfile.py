@@ -46,10 +46,11 @@ def save_pieces(step_dir: Path, pieces: dict[str, dict], rank: int) -> dict[str,
     return files
 
 
-def payload_pieces(state: CheckpointState, rank: int) -> dict[str, dict]:
-    """The files this rank writes and what goes in each (state_dicts taken now)."""
+def payload_pieces(state: CheckpointState, rank: int, *, shared: bool | None = None) -> dict[str, dict]:
+    """The files this rank writes and what goes in each (state_dicts taken now). ``shared``: this rank writes the
+    shared pieces (default: rank 0; in the local tier, every node's leader)."""
     pieces = {}
-    if rank == 0:
+    if rank == 0 if shared is None else shared:
         pieces.update({f"{key}.pt": piece.state_dict() for key, piece in state.shared().items()})
     pieces[rank_file(rank)] = {key: piece.state_dict() for key, piece in state.per_rank().items()}
     return pieces
@@ -114,13 +115,16 @@ def load_file(step_dir: Path, manifest: dict, name: str, verified: dict[str, mem
 
 
 def load_pieces(step_dir: Path, manifest: dict, state: CheckpointState, rank: int,
-                verified: dict[str, memoryview] | None = None) -> None:
+                verified: dict[str, memoryview] | None = None, *, shared_at: tuple[Path, dict] | None = None) -> None:
+    """Restore ``state``: the shared pieces (``<key>.pt``) from ``step_dir``, or from ``shared_at`` (a folder and its
+    verified manifest: the node leader's part in the local tier, tier.py), and this rank's own file."""
     files = manifest["files"]
+    shared_dir, shared_manifest = shared_at or (step_dir, manifest)
     for key, piece in state.shared().items():
         name = f"{key}.pt"
-        if name not in files:
-            raise CheckpointError(f"{step_dir} has no {name!r}; it was saved by a run without {key}")
-        piece.load_state_dict(load_file(step_dir, manifest, name, verified))
+        if name not in shared_manifest["files"]:
+            raise CheckpointError(f"{shared_dir} has no {name!r}; it was saved by a run without {key}")
+        piece.load_state_dict(load_file(shared_dir, shared_manifest, name, verified))
     own = rank_file(rank)
     if own in files:
         per_rank = load_file(step_dir, manifest, own, verified)

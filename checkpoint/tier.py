@@ -1,0 +1,264 @@
+"""The node-local tier (``--local-checkpoint-dir``): every rank keeps its part of the recent steps on its own node, where
+writing and reading run at memory or NVMe speed; some of those steps are drained from there to the shared tier
+(``--checkpoint-dir``) in the background; a restart loads each rank's part from the nearest tier that holds the newest
+step every rank can load.
+
+    <local-dir>/<experiment>/rank-00003/
+        step-00000012/          this rank's files of step 12, committed like any checkpoint (manifest, COMMITTED;
+                                verified before a load): rank-00003.pt, and on the node's first rank (its *leader*) the
+                                shared pieces too (model.pt, optimizer.pt, ...), which every rank of the node loads
+        .staging-<run id>/      saves being written (published by rename, as in the shared tier)
+
+Each rank writes and deletes only under its own ``rank-N`` folder; a rank reads only its own and its node leader's:
+no rank ever reads another node's folder. Whether a step is complete in the local tier is agreed by a collective at
+restart (``nearest``), not by files. A local step is used only if its manifest names this run: the shared run folder,
+its lineage (the token of the lease's first generation: a run folder deleted and started anew is another run), the
+world size, the rank, its node leader and the SLURM job; anything else is stale and removed.
+
+What this tier holds is a cache of the shared tier: a clean end drains the final step to the shared tier and removes
+the local folders (``clear``); a stop that will be requeued keeps them for the next incarnation.
+
+Only the file backends (vanilla, concurrent) write here: their parts are whole files per rank. DCP writes one
+collective ``.metadata`` and is refused with the local tier (backends.combination_refusal).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from . import layout, storage
+from .backends import RankInfo
+from .backends.torchfile import load_pieces, rank_file
+from .errors import CheckpointError
+from .fsio import MiB, is_disk_full
+from .logs import EVERY_RANK
+from .state import CheckpointState
+
+_log = logging.getLogger(__name__)
+
+
+def rank_dir_name(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def tier_root(local_dir, experiment: str) -> Path:
+    return Path(local_dir) / experiment
+
+
+class LocalTier:
+    """This rank's folder in its node's local tier, and its node leader's (read-only)."""
+
+    def __init__(self, local_dir, experiment: str, rank: RankInfo, *, leader: int, identity: dict, keep: int = 2):
+        base = tier_root(local_dir, experiment)
+        self.root = base / rank_dir_name(rank.rank)
+        self.leader_root = base / rank_dir_name(leader)
+        self.rank, self.leader, self.keep = rank, leader, max(keep, 1)
+        self.identity = {**identity, "rank": rank.rank, "leader": leader, "world_size": rank.world_size}
+        self._writing = layout.writing(self.root)
+        self._checked_space = False
+
+    @property
+    def writes_shared(self) -> bool:
+        """The node leader writes the shared pieces (model, optimizer, ...) into the node's tier, once per node."""
+        return self.leader == self.rank.rank
+
+    # --- save ----------------------------------------------------------------------------------------------------
+    def save_dir(self, run_id: str, step: int) -> Path:
+        step_dir = self._writing.save_dir(self.root, run_id, step)
+        self._writing.prepare(step_dir)
+        return step_dir
+
+    def check_space(self, nbytes: int) -> None:
+        """At the first save: ``keep`` + 1 copies of this rank's part (the kept ones and the one being written) must
+        fit on the local tier's filesystem; else one line, before a write fails half-way (a 64 MiB Docker /dev/shm)."""
+        if self._checked_space:
+            return
+        self._checked_space = True
+        st = os.statvfs(self.root)
+        free = st.f_bavail * st.f_frsize + sum(_tree_bytes(i.path) for i in layout.list_checkpoints(self.root))
+        need = (self.keep + 1) * nbytes
+        if need > free:
+            raise CheckpointError(
+                f"--local-checkpoint-dir {self.root.parent.parent}: {free / MiB:.1f} MiB free, but this rank's part "
+                f"of a checkpoint is {nbytes / MiB:.1f} MiB and the local tier holds {self.keep} + 1 of them "
+                f"({need / MiB:.1f} MiB); give it more space (e.g. docker run --shm-size), point it at a larger "
+                "node-local disk, or lower --local-checkpoint-keep")
+
+    def commit(self, step_dir: Path, step: int, files: dict[str, dict], *, backend: str, run_id: str, meta: dict,
+               guard: Callable[[str], None]) -> Path:
+        """Commit this rank's part of ``step`` (written in ``step_dir``) and publish it as ``rank-N/step-M``."""
+        layout.commit(step_dir, step, self.rank.world_size, backend, [{"files": files}],
+                      meta={**meta, "tier": self.identity})
+        return self._writing.publish(step_dir, self.root, step, guard=guard, tag=run_id)
+
+    def discard(self, step_dir: Path) -> None:
+        try:
+            self._writing.discard(step_dir)
+        except OSError:
+            pass
+
+    def drain_files(self, step: int) -> dict[str, tuple[Path, dict, str]]:
+        """The files of this rank's part of ``step`` that belong in the shared tier -- what this rank writes there
+        without a local tier (rank 0: the shared pieces and its rank file; any other rank: its rank file) -- as
+        (path, record, checksum algorithm)."""
+        step_dir = self.root / layout.step_dir_name(step)
+        manifest = layout.read_manifest(step_dir)
+        files = manifest["files"]
+        names = files if self.rank.is_main else [n for n in files if n == rank_file(self.rank.rank)]
+        return {n: (layout.member(step_dir, n, manifest), files[n], manifest["checksum"]) for n in names}
+
+    def retain(self, protected: set[int], guard: Callable[[str], None], own_staging: str) -> None:
+        """Keep the newest ``keep`` committed local steps and ``protected`` (not drained yet)."""
+        layout.apply_retention(self.root, self.keep, in_flight=protected, guard=guard, own_staging=own_staging,
+                               label=f"local tier {self.root}", quiet=True)
+
+    # --- restart -------------------------------------------------------------------------------------------------
+    def loadable(self) -> dict[int, layout.CheckpointInfo]:
+        """This rank's local steps that verify, with their leader's part, and name this run; the others go."""
+        found = {}
+        for info in reversed(layout.list_checkpoints(self.root)):
+            keep = None if found else info.verified  # the newest one's bytes stay for the load: read once
+            try:
+                info.manifest = self._verified(info.path, keep)
+                if self.leader_root != self.root:
+                    self._verified(self.leader_root / info.path.name, keep)
+            except CheckpointError as e:
+                self._remove(info, f"not usable ({e})")
+                continue
+            found[info.step] = info
+        return found
+
+    def _verified(self, step_dir: Path, keep: dict | None) -> dict:
+        manifest = layout.verify(step_dir, keep=keep)
+        mine = {k: v for k, v in manifest.get("meta", {}).get("tier", {}).items() if k in self.identity}
+        if step_dir.parent == self.leader_root:
+            mine = {**mine, "rank": self.rank.rank}  # the leader's part names the leader
+        if mine != self.identity:
+            differs = sorted(k for k in self.identity if mine.get(k) != self.identity[k])
+            raise CheckpointError(f"written by another run, job or layout ({', '.join(differs)} differ)")
+        return manifest
+
+    def load(self, info: layout.CheckpointInfo, state: CheckpointState) -> None:
+        """Restore ``state`` from this rank's part of ``info`` and its leader's shared pieces (verified as they are
+        read, or already by ``loadable``)."""
+        leader_dir = self.leader_root / info.path.name
+        try:
+            shared = (leader_dir, info.manifest if leader_dir == info.path else layout.read_manifest(leader_dir))
+            load_pieces(info.path, info.manifest, state, self.rank.rank, info.verified, shared_at=shared)
+        finally:
+            info.verified.clear()
+
+    def retire_newer(self, step: int) -> None:
+        """The run continues from ``step``: newer local steps belong to a line it left (or to another run) and go."""
+        for info in layout.list_checkpoints(self.root):
+            if info.step > step:
+                self._remove(info, f"newer than step {step}, which the run continues from")
+
+    def recover(self, own_staging: str) -> None:
+        """What a crashed incarnation left being written here goes (its committed steps stay)."""
+        if self.root.is_dir():
+            layout.recover(self.root, own_staging)
+
+    def clear(self) -> None:
+        """Remove this rank's folder (a fresh start, or a clean end: everything is in the shared tier)."""
+        for info in layout.list_checkpoints(self.root):
+            self._remove(info, "")
+        shutil.rmtree(self.root, ignore_errors=True)
+        try:
+            self.root.parent.rmdir()  # the run's folder, once every rank of the node has cleared its own
+        except OSError:
+            pass
+
+    def _remove(self, info: layout.CheckpointInfo, why: str) -> None:
+        try:
+            layout.remove_step_dir(info.path, "move them out of the local tier")
+            if why:
+                _log.info(f"local tier: removed {info.path}: {why}", extra=EVERY_RANK)
+        except (OSError, CheckpointError) as e:
+            _log.warning(f"warning: local tier: cannot remove {info.path}: {e}")
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def everywhere(local: dict[int, layout.CheckpointInfo], gather: Callable[[object], list]) -> int | None:
+    """The newest step that every rank holds in its local tier (``local``: this rank's loadable steps; ``gather(x)``:
+    every rank's ``x``, a collective); None when there is none."""
+    return max(set.intersection(*(set(steps) for steps in gather(sorted(local)))), default=None)
+
+
+class Drainer:
+    """One background thread per rank: copies this rank's part of a locally committed step into the shared tier,
+    then calls ``land(step, files)`` (the part record; rank 0 commits there). Steps drain in order; ``wait`` returns
+    once every queued step has landed, re-raising the first error (also at ``poll``)."""
+
+    def __init__(self, tier: LocalTier, land: Callable[..., None]):
+        self.tier, self.land = tier, land
+        self.pending: set[int] = set()
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="ckpt-drain", daemon=True)
+        self._thread.start()
+        self.seconds = 0.0
+
+    def submit(self, step: int, shared_dir, **land_args) -> None:
+        with self._lock:
+            self.pending.add(step)
+        self._queue.put((step, shared_dir, land_args))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            step, shared_dir, land_args = item
+            t0 = time.perf_counter()
+            try:
+                if self._error is None:
+                    files = {name: _copy_checked(src, record, algorithm, shared_dir / name)
+                             for name, (src, record, algorithm) in self.tier.drain_files(step).items()}
+                    self.land(step, shared_dir, files, **land_args)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the training thread (poll/wait)
+                self._error = self._error or e
+            finally:
+                self.seconds += time.perf_counter() - t0
+                with self._lock:
+                    self.pending.discard(step)
+                self._queue.task_done()
+
+    def poll(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def wait(self) -> None:
+        self._queue.join()
+        self.poll()
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+
+def _copy_checked(src: Path, record: dict, algorithm: str, dst) -> dict:
+    """Copy one local file to the shared tier; the bytes written must hash as the local manifest says (they are hashed
+    as they pass, so a local file changed since its commit is caught here, not at the next load)."""
+    try:
+        written = storage.copy_file(src, dst)
+    except OSError as e:
+        if is_disk_full(e):
+            raise CheckpointError(f"draining {src} to {dst} failed: no space left on device; free space in the "
+                                  "shared tier (the local tier still holds the step)") from None
+        raise CheckpointError(f"draining {src} to {dst} failed: {e.strerror or e}") from None
+    if written.get("size") != record["size"] or written.get(algorithm) != record[algorithm]:
+        raise CheckpointError(f"{src} changed since its local commit (its bytes no longer match its manifest); the "
+                              "step is not drained")
+    return written

@@ -1,0 +1,136 @@
+"""The node-local tier (--local-checkpoint-dir, checkpoint/tier.py) through the real CLI: torchrun/gloo ranks, real
+SIGKILLs of the whole job, real files.
+
+Two ranks on this one host stand for two nodes (PYRECOVER_TEST_RANKS_PER_NODE=1, knobs.py): each is its own node's
+leader, writes the shared pieces into its own local folder and loads only from there. The 2-node SLURM cluster tests
+run the same with real hosts (tests/slurm/).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from helpers import (PY, ROOT, TINY, check_weights, env_for_tests, in_ci, kill_run_at_row, loss_rows, run_torchrun,
+                     run_train, torchrun_cmd)
+
+STEPS, SHARED_EVERY, LOCAL_EVERY = 30, 20, 2
+TWO_NODES = {"PYRECOVER_TEST_RANKS_PER_NODE": "1"}
+
+
+def _args(corpus: str, ckpt: Path, local: Path | None) -> list[str]:
+    args = TINY + ["--dataset", corpus, "--checkpoint-dir", str(ckpt), "--experiment_name", "run",
+                   "--training-steps", str(STEPS), "--checkpoint-frequency", str(SHARED_EVERY), "--log-loss-to-csv",
+                   "--resume-from-checkpoint", "latest"]
+    if local is not None:
+        args += ["--local-checkpoint-dir", str(local), "--local-checkpoint-frequency", str(LOCAL_EVERY)]
+    return args
+
+
+def _resumed(output: str) -> tuple[int, str]:
+    """(step, where) of the `resumed from` line."""
+    m = re.search(r"resumed from (\S+) \(step (\d+), \w+ backend; ([^,]+(?:, \d+ from the shared tier)?)", output)
+    assert m, output[-3000:]
+    return int(m.group(2)), m.group(3)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus) -> Path:
+    """An uninterrupted 2-rank run without a local tier: what every tiered run must end with, bit for bit."""
+    ckpt = tmp_path_factory.mktemp("reference")
+    run_torchrun(2, _args(corpus, ckpt, None), check=True, env=TWO_NODES)
+    return ckpt / "run"
+
+
+def test_whole_job_kills_resume_from_the_local_tier_then_a_swapped_node_from_the_shared_tier(tmp_path, corpus,
+                                                                                              reference):
+    """Seeded whole-job SIGKILLs with the local tier every 2 steps and the shared tier every 20:
+    1. a kill before the first shared save: the restart resumes from both ranks' local tiers, and drains that step;
+    2. a kill after it, then rank 1's local folder wiped (its node replaced): the restart takes the shared tier;
+    and the run ends bitwise equal to the uninterrupted one, every loss row once."""
+    seed = int(os.environ.get("PYRECOVER_TEST_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    first, second = rng.randint(5, 17), rng.randint(23, 28)
+    print(f"seed {seed}: kills after rows {first} and {second}")
+    ckpt, local = tmp_path / "ckpt", tmp_path / "local"
+    args, env = _args(corpus, ckpt, local), env_for_tests(TWO_NODES)
+    csv = ckpt / "run" / "loss.csv"
+
+    kill_run_at_row(torchrun_cmd(2, args), csv, first, env=env)
+    assert sorted(p.name for p in (local / "run").iterdir()) == ["rank-00000", "rank-00001"]
+    out = run_torchrun(2, args, env={**TWO_NODES, "PYRECOVER_CRASH_AT_STEP": f"{second + 1}:0"})
+    step, where = _resumed(out.stdout + out.stderr)
+    assert where == "2 of 2 ranks from their local tier", out.stdout[-2000:]
+    assert first - LOCAL_EVERY <= step <= first + 1 and step % LOCAL_EVERY == 0, (first, step)
+    assert (ckpt / "run" / f"step-{step:08d}" / "COMMITTED").exists(), "the restored step was not drained"
+
+    # rank 0 died after the forward pass of step second+1 (the job's other rank with it): rank 1's node is replaced
+    shutil.rmtree(local / "run" / "rank-00001")
+    out = run_torchrun(2, args, check=True, env=TWO_NODES)
+    step, where = _resumed(out.stdout + out.stderr)
+    assert step == SHARED_EVERY and "from the shared tier" in where, (step, where)
+    final = ckpt / "run" / f"step-{STEPS:08d}"
+    assert check_weights(final, reference / f"step-{STEPS:08d}", "--optimizer").returncode == 0
+    assert loss_rows(csv) == loss_rows(reference / "loss.csv")
+    assert not (local / "run").exists(), "a clean end leaves the local tier empty"
+
+
+def test_a_kill_during_a_local_write_falls_back_to_the_previous_local_step(tmp_path, corpus):
+    """One process; SIGKILL in a local save with a file written but not yet fsynced: that save never committed, the
+    restart takes the previous local step, and the run ends bitwise."""
+    ckpt, local = tmp_path / "ckpt", tmp_path / "local"
+    args = _args(corpus, ckpt, local)
+    proc = run_train(args, env={"PYRECOVER_FAULT": "after_write_before_fsync:15"})  # the 3rd local save's 1st files
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    mine = local / "run" / "rank-00000"
+    interrupted = [int(p.name[5:]) for p in mine.glob(".staging-*/step-*")]
+    committed = [int(p.name[5:]) for p in mine.glob("step-*") if (p / "COMMITTED").exists()]
+    assert len(interrupted) == 1 and committed and max(committed) == interrupted[0] - LOCAL_EVERY, (interrupted,
+                                                                                                   committed)
+    proc = run_train(args, check=True)
+    step, where = _resumed(proc.stdout + proc.stderr)
+    assert (step, where) == (max(committed), "1 of 1 ranks from their local tier"), (step, where)
+    single = tmp_path / "single"
+    run_train(_args(corpus, single, None), check=True)
+    assert check_weights(ckpt / "run" / f"step-{STEPS:08d}", single / "run" / f"step-{STEPS:08d}",
+                         "--optimizer").returncode == 0
+    assert loss_rows(ckpt / "run" / "loss.csv") == loss_rows(single / "run" / "loss.csv")
+
+
+def test_a_local_tier_of_another_run_is_never_used(tmp_path, corpus):
+    """The run folder deleted after a kill, then started again with `latest`: the local steps belong to the run that
+    was deleted (another lineage), so the new run starts fresh and removes them."""
+    ckpt, local = tmp_path / "ckpt", tmp_path / "local"
+    args = _args(corpus, ckpt, local)
+    proc = run_train(args, env={"PYRECOVER_CRASH_AT_STEP": "9"})
+    assert proc.returncode == -9
+    assert list((local / "run" / "rank-00000").glob("step-*")), "the killed run left no local step"
+    shutil.rmtree(ckpt / "run")
+    proc = run_train(args[:-2] + ["--resume-from-checkpoint", "latest", "--training-steps", "4"], check=True)
+    assert "starting fresh from step 0" in proc.stdout + proc.stderr, proc.stdout[-2000:]
+    assert "written by another run, job or layout (lineage differ)" in proc.stdout + proc.stderr
+
+
+def test_a_local_tier_too_small_is_one_line(tmp_path, corpus):
+    """A 4 MiB tmpfs (Docker's /dev/shm is 64 MiB) cannot hold a part of 48 MiB: one line at the first save, exit 1,
+    no traceback, no SIGBUS."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        assert not in_ci(), "CI runs as root: it must mount the small tmpfs"
+        pytest.skip("needs root to mount a small tmpfs")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
+    try:
+        proc = run_train(_args(corpus, tmp_path / "ckpt", small))
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "MiB free, but this rank's part of a checkpoint is" in line and "--local-checkpoint-keep" in line, line
