@@ -66,7 +66,11 @@ CONFIGS = {
     **{name: f"--checkpoint-backend dcp {mode}" for name, mode in DCP_ASYNC_MODES.items()},
     "concurrent": "--checkpoint-backend concurrent",
     "concurrent-jit": "--checkpoint-backend concurrent --jit-checkpoint",
+    # the node-local tier in /dev/shm: the interval below is the local one; the shared tier (--checkpoint-dir, or S3
+    # with --shared s3) receives every SHARED_FACTOR-th local step
+    "tiered": "--checkpoint-backend concurrent --local-checkpoint-dir {local}",
 }
+SHARED_FACTOR = 10
 FAMILIES = {"dcp async": tuple(DCP_ASYNC_MODES)}
 PROJECT_MTBF = {"5 min": 300.0, "1 h": 3600.0, "1 day": 86400.0}
 
@@ -75,7 +79,8 @@ FRESH = "no checkpoint found"
 RECOVERY = re.compile(r"^recovery: first step after resume ([\d.]+)s.*$", re.M)
 # the end-of-run total also counts the wait for an async save's copy at the next step, which a save's own line may not
 SUMMARY = re.compile(r"checkpointing: (\d+) saves, .*?training blocked ([\d.]+)s")
-SAVED = re.compile(r"checkpoint step (\d+) committed: ([\d.]+) MiB, blocked ([\d.]+)s, durable after ([\d.]+)s")
+SAVED = re.compile(r"checkpoint step (\d+) committed(?: in the local tier)?: ([\d.]+) MiB, blocked ([\d.]+)s, "
+                   r"durable after ([\d.]+)s")
 
 
 def log(msg: str) -> None:
@@ -85,11 +90,26 @@ def log(msg: str) -> None:
 # --- running jobs ----------------------------------------------------------------------------------------------------
 
 
-def train_cmd(ckpt_dir: Path, steps: int, every: int, flags: list[str], dataset: str) -> list[str]:
+def train_cmd(ckpt_dir: Path, steps: int, every: int, flags: list[str], dataset: str, shared: str | None = None
+              ) -> list[str]:
+    """The job. A configuration with a local tier (``{local}`` in its flags: a folder in /dev/shm of this job's) saves
+    there every ``every`` steps and to the shared tier every SHARED_FACTOR x ``every``; ``shared``: the shared tier
+    (default: ``ckpt_dir``; an s3:// prefix with --shared s3), where the loss CSV stays in ``ckpt_dir``."""
+    flags = [f.replace("{local}", str(local_dir(ckpt_dir))) for f in flags]
+    tiered = "--local-checkpoint-dir" in flags
+    if tiered:
+        flags += ["--local-checkpoint-frequency", str(every)]
+        every *= SHARED_FACTOR
     return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS), "train.py",
             "--distributed", *TRAIN_ARGS, "--dataset", dataset, "--training-steps", str(steps),
-            "--checkpoint-frequency", str(every), "--checkpoint-dir", str(ckpt_dir), "--exp-name", "run",
-            "--resume-from-checkpoint", "latest", "--log-loss-to-csv", *flags]
+            "--checkpoint-frequency", str(every), "--checkpoint-dir", shared or str(ckpt_dir), "--exp-name", "run",
+            "--resume-from-checkpoint", "latest",
+            f"--log-loss-to-csv={ckpt_dir / 'run' / 'loss.csv'}" if shared else "--log-loss-to-csv", *flags]
+
+
+def local_dir(ckpt_dir: Path) -> Path:
+    """The node-local tier of the job writing to ``ckpt_dir``: in /dev/shm, removed with the job's folder."""
+    return Path("/dev/shm") / f"pyrecover-goodput-{os.getpid()}-{ckpt_dir.name}"
 
 
 def loss_rows(path: Path) -> list[tuple[int, float]]:

@@ -21,6 +21,8 @@ PYRECOVER_TEST_PERSIST_DELAY_S=SECONDS         backends/concurrent.py           
   each payload file takes that much longer to persist (a slow disk: the CLI tests watch several saves in flight).
 PYRECOVER_MIRROR_DELAY_S=SECONDS               mirror.py                            test-only    mirror_delay_s()
   the mirror's copier sleeps that long before each file (a slow mirror: a test kills the run mid-copy).
+PYRECOVER_DRAIN_DELAY_S=SECONDS                tier.py (Drainer)                    test-only    drain_delay_s()
+  the local tier's drainer sleeps that long after each file it copies to the shared tier (a test kills mid-drain).
 PYRECOVER_LEASE_HEARTBEAT_S=SECONDS            lease.py (HEARTBEAT_S, at import)    test-only    lease_heartbeat_s()
   how often the lease holder touches its record (default 10).
 PYRECOVER_LEASE_TIMEOUT_S=SECONDS              lease.py (TIMEOUT_S, at import)      test-only    lease_timeout_s()
@@ -102,6 +104,11 @@ def persist_delay_s(environ: Mapping[str, str] | None = None) -> float:
 def mirror_delay_s(environ: Mapping[str, str] | None = None) -> float:
     """PYRECOVER_MIRROR_DELAY_S: seconds the mirror's copier sleeps before each file (0 when unset)."""
     return _seconds("PYRECOVER_MIRROR_DELAY_S", 0.0, environ)
+
+
+def drain_delay_s(environ: Mapping[str, str] | None = None) -> float:
+    """PYRECOVER_DRAIN_DELAY_S: seconds the local tier's drainer sleeps after each file (0 when unset)."""
+    return _seconds("PYRECOVER_DRAIN_DELAY_S", 0.0, environ)
 
 
 def lease_heartbeat_s(environ: Mapping[str, str] | None = None) -> float:

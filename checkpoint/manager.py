@@ -138,7 +138,7 @@ class CheckpointManager:
             record.bytes = sum(r["size"] for r in files.values())
             record.durable_s = time.perf_counter() - t0
             if self.rank.is_main:
-                _log.info(f"checkpoint step {step} in the local tier: {record.bytes / MiB:.1f} MiB on rank 0, blocked "
+                _log.info(f"checkpoint step {step} committed in the local tier: {record.bytes / MiB:.1f} MiB, blocked "
                           f"{record.blocking_s:.2f}s, durable after {record.durable_s:.2f}s"
                           + ("; draining to the shared tier" if step_dir is not None else ""))
             if step_dir is not None:

@@ -84,7 +84,7 @@ class Session:
         process)."""
         s = settings
         check_combination(s.backend, sharded=s.sharded, checkpoint_dir=s.checkpoint_dir, async_save=s.async_save,
-                          jit=s.jit)
+                          jit=s.jit, local_tier=bool(s.local_dir))
         if s.mirror_dir and (why := mirror_refusal(s.checkpoint_dir, s.mirror_dir, s.experiment)):
             raise CheckpointError(why)
         if s.local_dir and (why := local_tier_refusal(s)):
@@ -317,9 +317,6 @@ def local_tier_refusal(s: Settings) -> str | None:
     """Why ``--local-checkpoint-dir`` cannot work with these settings, in one line, or None."""
     if not storage.medium(s.local_dir).filesystem:
         return f"--local-checkpoint-dir {s.local_dir} must be a folder on each node (/dev/shm/..., a local NVMe disk)"
-    if s.backend not in ("vanilla", "concurrent"):
-        return (f"--local-checkpoint-dir works with --checkpoint-backend vanilla or concurrent; the {s.backend} backend "
-                "writes one collective metadata file no node holds alone")
     if s.local_every < 0 or s.local_keep < 1:
         return "--local-checkpoint-frequency must be at least 0 and --local-checkpoint-keep at least 1"
     if s.local_every and s.when.every_steps % s.local_every:

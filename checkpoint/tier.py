@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import layout, storage
+from . import knobs, layout, storage
 from .backends import RankInfo
 from .backends.torchfile import load_pieces, rank_file
 from .errors import CheckpointError
@@ -224,8 +224,10 @@ class Drainer:
             t0 = time.perf_counter()
             try:
                 if self._error is None:
-                    files = {name: _copy_checked(src, record, algorithm, shared_dir / name)
-                             for name, (src, record, algorithm) in self.tier.drain_files(step).items()}
+                    files = {}
+                    for name, (src, record, algorithm) in self.tier.drain_files(step).items():
+                        files[name] = _copy_checked(src, record, algorithm, shared_dir / name)
+                        time.sleep(knobs.drain_delay_s())  # test-only: a slow shared tier
                     self.land(step, shared_dir, files, **land_args)
             except BaseException as e:  # noqa: BLE001 - re-raised in the training thread (poll/wait)
                 self._error = self._error or e

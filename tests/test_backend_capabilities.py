@@ -50,6 +50,13 @@ def test_capabilities_table_is_the_classes_attributes():
     ("dcp", {"sharded": True, "checkpoint_dir": "s3://bucket/x", "async_save": "process"}, None),
     ("vanilla", {"checkpoint_dir": "/tmp/x", "jit": True}, None),
     ("concurrent", {}, None),
+    # the node-local tier: the backend writes only there (whole files per rank), the drain copies to any medium
+    ("dcp", {"local_tier": True},
+     "--local-checkpoint-dir works with --checkpoint-backend vanilla or --checkpoint-backend concurrent; the dcp "
+     "backend writes one collective metadata file that no node holds alone"),
+    ("concurrent", {"checkpoint_dir": "s3://bucket/x", "local_tier": True}, None),
+    ("vanilla", {"checkpoint_dir": "s3://bucket/x", "local_tier": True, "jit": True},
+     "--jit-checkpoint writes to a local --checkpoint-dir; it does not support s3://"),
 ])
 def test_refusals_are_derived_from_capabilities(name, kwargs, expected):
     assert combination_refusal(name, **kwargs) == expected

@@ -54,13 +54,14 @@ def _how(able: list[str]) -> str:
 
 
 def combination_refusal(name: str, *, sharded: bool = False, checkpoint_dir: str | os.PathLike | None = None,
-                        async_save: bool | str = False, jit: bool = False) -> str | None:
+                        async_save: bool | str = False, jit: bool = False, local_tier: bool = False) -> str | None:
     """Why a run cannot checkpoint this way, in one line, or None when it can. Every such refusal is here, derived from
     the backends' capabilities (a just-in-time save has those of ``JIT_FORMAT``).
 
     ``name``: --checkpoint-backend. ``sharded``: the model is sharded over ranks (--parallel fsdp under
     --distributed). ``checkpoint_dir``: --checkpoint-dir (object storage when ``s3://``). ``async_save``:
-    --async-checkpoint (any true value). ``jit``: --jit-checkpoint."""
+    --async-checkpoint (any true value). ``jit``: --jit-checkpoint. ``local_tier``: --local-checkpoint-dir (the
+    backend then writes only there, whole files per rank, and the drain copies them to ``checkpoint_dir``, any medium)."""
     caps = capabilities(name)
     remote = checkpoint_dir is not None and not storage.medium(checkpoint_dir).filesystem
     jit_caps = CAPABILITIES[JIT_FORMAT]
@@ -69,7 +70,11 @@ def combination_refusal(name: str, *, sharded: bool = False, checkpoint_dir: str
         return (f"--parallel fsdp shards the model over ranks; save it with {_how(able('sharded'))}: the {name} backend "
                 "writes one full copy from rank 0 (convert a DCP checkpoint afterwards with "
                 "`python -m checkpoint convert SRC DST --to vanilla`)")
-    if remote and not caps.remote_ok:
+    if local_tier and caps.sharded:
+        files = [n for n, c in CAPABILITIES.items() if not c.sharded]
+        return (f"--local-checkpoint-dir works with {_how(files)}; the {name} backend writes one collective metadata "
+                "file that no node holds alone")
+    if remote and not caps.remote_ok and not local_tier:
         return f"--checkpoint-dir {checkpoint_dir} is object storage: it needs {_how(able('remote_ok'))}"
     if jit and remote and not jit_caps.remote_ok:
         return "--jit-checkpoint writes to a local --checkpoint-dir; it does not support s3://"
@@ -85,10 +90,11 @@ def combination_refusal(name: str, *, sharded: bool = False, checkpoint_dir: str
 
 
 def check_combination(name: str, *, sharded: bool = False, checkpoint_dir: str | os.PathLike | None = None,
-                      async_save: bool | str = False, jit: bool = False) -> None:
+                      async_save: bool | str = False, jit: bool = False, local_tier: bool = False) -> None:
     """Raise CheckpointError with :func:`combination_refusal`'s line, if any. Call it before any training time is
     spent (train.py, at startup)."""
-    why = combination_refusal(name, sharded=sharded, checkpoint_dir=checkpoint_dir, async_save=async_save, jit=jit)
+    why = combination_refusal(name, sharded=sharded, checkpoint_dir=checkpoint_dir, async_save=async_save, jit=jit,
+                              local_tier=local_tier)
     if why is not None:
         raise CheckpointError(why)
 

@@ -99,7 +99,10 @@ def read_section(step_dir: Path, manifest: dict, section: str) -> dict[str, Any]
     name = f"{section}.pt"
     if name not in manifest["files"]:
         raise CheckpointError(f"{step_dir} holds no {section} state")
-    return safe_load(layout.member(step_dir, name, manifest), mmap=True)  # verified by reader.locate just before
+    path = layout.member(step_dir, name, manifest)
+    if not storage.medium(path).filesystem:  # object storage (a tiered run's shared tier): read, not mapped
+        return safe_load(path, manifest["files"][name], manifest["checksum"])
+    return safe_load(path, mmap=True)  # verified by reader.locate just before
 
 
 def write_sections(step_dir: Path, sections: dict[str, dict]) -> dict[str, dict]:
