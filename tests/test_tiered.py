@@ -111,6 +111,11 @@ def test_a_local_tier_of_another_run_is_never_used(tmp_path, corpus):
     proc = run_train(args, env={"PYRECOVER_CRASH_AT_STEP": "9"})
     assert proc.returncode == -9
     assert list((local / "run" / "rank-00000").glob("step-*")), "the killed run left no local step"
+    listing = subprocess.run([PY, "-m", "checkpoint", "list", str(ckpt / "run"), "--local", str(local / "run")],
+                             capture_output=True, text=True, cwd=ROOT, env=env_for_tests(), timeout=120)
+    assert listing.returncode == 0, listing.stderr
+    assert re.search(r"^\s+0\s+8\s+48\.0  valid  \(with the replicated pieces: node leader\)$", listing.stdout, re.M), \
+        listing.stdout
     shutil.rmtree(ckpt / "run")
     proc = run_train(args[:-2] + ["--resume-from-checkpoint", "latest", "--training-steps", "4"], check=True)
     assert "starting fresh from step 0" in proc.stdout + proc.stderr, proc.stdout[-2000:]

@@ -36,7 +36,7 @@ DEFAULT_STATE_DIR = "/tmp/pyrecover-slurm"
 MULTINODE_STATE_DIR = "/tmp/pyrecover-slurm-multi"
 # test_multinode.py runs its scenarios side by side, each on its own nodes (a node loss must hit only its own job):
 # 1-2 time limit (vanilla and dcp), 3-4 node loss with JIT, 5-6 node loss without, 7-9 partition (needs a spare node)
-MULTINODE_NODES = 9
+MULTINODE_NODES = 11
 MULTINODE_CPUS = 4  # per emulated node; the jobs are 1 rank per node, two jobs may share a node (--overcommit)
 REQUIRED_BINARIES = ("munged", "slurmctld", "slurmd", "sinfo", "squeue", "sbatch", "srun", "scontrol", "scancel")
 

@@ -1,7 +1,7 @@
 """Two SLURM nodes, one rank on each: submit-training-simple.sh across real TCP between network namespaces, and what
 happens when a whole node is lost or cut off.
 
-The cluster (fixture ``slurm_multinode``, ``cluster.sh start --nodes 9``) emulates each node by a slurmd in its own
+The cluster (fixture ``slurm_multinode``, ``cluster.sh start --nodes 11``) emulates each node by a slurmd in its own
 network, UTS and mount namespace: its own hostname and IP on a private bridge, its own node-local $TMPDIR; the
 checkpoint directory is on the shared filesystem. The scenarios run side by side, each on its own nodes (a node loss
 must hit only its own job), each driven by a thread; the uninterrupted reference run (torchrun, 2 ranks) runs beside
@@ -15,6 +15,7 @@ SlurmdTimeout (10 s here; ~30 s until it is DOWN), ends the job with NODE_FAIL a
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import sys
@@ -135,6 +136,28 @@ def drive_node_loss(cluster, base: Path, corpus: str, name: str, nodes: str, jit
     return {"job": job, "info": info, "victim": victim, "killed_at": killed_at}
 
 
+def drive_tiered_whole_job_kill(cluster, base: Path, corpus: str) -> dict:
+    """A node-local tier in each node's own scratch folder (the same path, another disk on every node): local saves
+    every 2 steps, shared every 20. Both nodes lose every process at a seeded random row (a whole-job SIGKILL); SLURM
+    requeues the job onto them; each rank resumes from its own node's local tier."""
+    seed = int(os.environ.get("PYRECOVER_TEST_SEED", random.randrange(1 << 30)))
+    row = random.Random(seed).randint(23, 40)
+    local = cluster.state_dir / "scratch" / "tier"
+    job = submit(cluster, base, "mn-tiered", corpus, "--nodelist=pyr-node[10-11]", "--time=5", sleep=0.3,
+                 train_args=("--local-checkpoint-dir", str(local), "--local-checkpoint-frequency", "2",
+                             "--checkpoint-frequency", "20"))
+    job.wait_rows(row, timeout=600)
+    nodes = nodes_of(cluster, job)
+    for node in nodes:
+        cluster.node_sh("kill-node", node)
+    killed_at = job.rows()
+    for node in nodes:
+        cluster.node_sh("start-node", node)
+    info = cluster.wait_for_state(job.id, "COMPLETED", timeout=600)
+    timing(f"tiered whole-job kill (seed {seed}, row {row}): done {time.monotonic() - job.t_submit:.1f}s after submit")
+    return {"job": job, "info": info, "killed_at": killed_at, "seed": seed}
+
+
 def _signal(pids: list[int], sig: int) -> None:
     for pid in pids:
         try:
@@ -199,6 +222,7 @@ SCENARIOS = {
     "test_node_loss_without_jit_resumes_from_the_last_periodic_checkpoint":
         lambda c, b, k: drive_node_loss(c, b, k, "mn-loss", "pyr-node[5-6]", jit=False),
     "test_partitioned_rank_is_fenced_and_changes_nothing": drive_partition,
+    "test_whole_job_kill_with_a_local_tier_per_node_resumes_from_the_local_tiers": drive_tiered_whole_job_kill,
 }
 
 
@@ -317,3 +341,17 @@ def test_partitioned_rank_is_fenced_and_changes_nothing(campaign):
     assert 25 <= resumed < 50, resumed
     assert_resumed_and_finished(job, out, resumed, campaign("reference"), runs=2)
     assert csv_rows(job.csv) == STEPS
+
+
+def test_whole_job_kill_with_a_local_tier_per_node_resumes_from_the_local_tiers(campaign):
+    r = campaign("test_whole_job_kill_with_a_local_tier_per_node_resumes_from_the_local_tiers")
+    job, info = r["job"], r["info"]
+    out = job.output()
+    assert info.get("ExitCode") == "0:0" and int(info.get("Restarts", 0)) >= 1, info
+    m = re.search(r"resumed from \S+ \(step (\d+), vanilla backend; 2 of 2 ranks from their local tier", out)
+    assert m, (r["seed"], out[-4000:])
+    step = int(m.group(1))
+    # the newest local step (every 2), newer than the shared tier's (20): at most the local interval is lost
+    assert 20 < step <= r["killed_at"] and r["killed_at"] - step <= 3, (r["seed"], step, r["killed_at"])
+    assert f"checkpoint step {step} committed in the shared tier" in out  # drained right after the restore
+    assert_resumed_and_finished(job, out, step, campaign("reference"), runs=2)
