@@ -50,6 +50,9 @@ def cmd_list(path: Path, local: Path | None = None) -> int:
     if local is None and _rank_dirs(path):
         return _list_local(path)
     infos = layout.list_checkpoints(path)
+    if not infos and local is not None:
+        print(f"no checkpoints under {path} yet")
+        return _list_local(local)
     if not infos:
         raise CheckpointError(f"no checkpoints under {path} (expected an experiment folder holding step-N folders)")
     try:

@@ -114,7 +114,7 @@ class CheckpointManager:
             if tier is not None:
                 self._guard("start a save")
                 write_dir = tier.save_dir(self.run_id, step)
-                tier.check_space(state.nbytes(self.backend.writes_shared))
+                tier.check_space(lambda: state.nbytes(self.backend.writes_shared))
             payload = self.backend.save(write_dir, state)
         except (OSError, CheckpointError) as e:
             raise self._save_failed(step, step_dir, e, local=write_dir if tier is not None else None) from None
@@ -472,7 +472,10 @@ class CheckpointManager:
             self.tier.recover(self._staging.name)
             if not spec:
                 self.tier.clear()  # a fresh start: nothing local belongs to it
-        return self.load(spec, state) if spec else None
+        step = self.load(spec, state) if spec else None
+        if self.tier is not None:  # pre-flight: the local tier holds what is known of the state now
+            self.tier.check_space(lambda: state.nbytes(self.backend.writes_shared), first_save=False)
+        return step
 
     def follow(self, step: int | None, *, keep_files: tuple[str, ...] = ()) -> None:
         """Continue the run from ``step`` (None: from scratch): checkpoints of a line it no longer follows are retired

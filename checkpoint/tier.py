@@ -75,19 +75,24 @@ class LocalTier:
         self._writing.prepare(step_dir)
         return step_dir
 
-    def check_space(self, nbytes: int) -> None:
-        """At the first save: ``keep`` + 1 copies of this rank's part (the kept ones and the one being written) must
-        fit on the local tier's filesystem; else one line, before a write fails half-way (a 64 MiB Docker /dev/shm)."""
+    def check_space(self, part_bytes: Callable[[], int], *, first_save: bool = True) -> None:
+        """``keep`` + 1 copies of this rank's part (the kept ones and the one being written) must fit on the local
+        tier's filesystem; else one line, before a write fails half-way (a 64 MiB Docker /dev/shm). Checked before the
+        loop (``first_save`` False: the state as it is then -- a fresh optimizer holds no moments yet) and again, with
+        the part's real size, at the first save."""
         if self._checked_space:
             return
-        self._checked_space = True
+        self._checked_space = first_save
+        nbytes = part_bytes()
+        self.root.mkdir(parents=True, exist_ok=True)
         st = os.statvfs(self.root)
         free = st.f_bavail * st.f_frsize + sum(_tree_bytes(i.path) for i in layout.list_checkpoints(self.root))
         need = (self.keep + 1) * nbytes
         if need > free:
             raise CheckpointError(
                 f"--local-checkpoint-dir {self.root.parent.parent}: {free / MiB:.1f} MiB free, but this rank's part "
-                f"of a checkpoint is {nbytes / MiB:.1f} MiB and the local tier holds {self.keep} + 1 of them "
+                f"of a checkpoint is {'' if first_save else 'at least '}{nbytes / MiB:.1f} MiB and the local tier "
+                f"holds {self.keep} + 1 of them "
                 f"({need / MiB:.1f} MiB); give it more space (e.g. docker run --shm-size), point it at a larger "
                 "node-local disk, or lower --local-checkpoint-keep")
 
