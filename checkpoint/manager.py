@@ -98,6 +98,8 @@ class CheckpointManager:
         self._reap(block_until_below=self.backend.max_in_flight)
         t0 = time.perf_counter()
         tier = self.tier
+        if tier is not None and shared:
+            self._drainer.wait()  # one drain at a time: a shared tier slower than its interval stalls, never piles up
         step_dir = self._writing.save_dir(self.root, self.run_id, step) if shared else None
         failed = None
         if self.rank.is_main and step_dir is not None:
