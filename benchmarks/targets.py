@@ -188,13 +188,13 @@ CONFIGS = {
 }
 LOOP = re.compile(r"done: (\d+) steps, final loss \S+, ([\d.]+)s in the loop")
 RECOVERY = re.compile(r"recovery: first step after resume ([\d.]+)s after process start")
-RESUMED = re.compile(r"resumed from \S+ \(step \d+, \S+ backend, ([\d.]+) MiB in ([\d.]+)s")
+RESUMED = re.compile(r"resumed from \S+ \(step \d+, \S+ backend(?:; [^,]+)?, ([\d.]+) MiB in ([\d.]+)s")
 
 
-def _train(args: list[str], env: dict) -> str:
+def _train(args: list[str], env: dict, rc: int = 0) -> str:
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=900)
-    if proc.returncode != 0:
+    if proc.returncode != rc:
         raise SystemExit(f"error: train.py {' '.join(args)} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
     return proc.stdout
 
@@ -224,7 +224,8 @@ def bench_training(folder: Path, steps: int, repeats: int, base: list[str]) -> d
     return {"loop_s": {k: med(xs) for k, xs in loops.items()}, "overhead_pct": overhead}
 
 
-def bench_resume(folder: Path, steps: int, repeats: int, base: list[str], read_mib_s: float) -> dict:
+def bench_resume(folder: Path, steps: int, repeats: int, base: list[str], read_mib_s: float,
+                 memcpy_mib_s: float) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     imports = []
     for _ in range(repeats):
@@ -250,7 +251,44 @@ def bench_resume(folder: Path, steps: int, repeats: int, base: list[str], read_m
         out[name] = {"recovery_s": med(recov), "load_mib_s": med(loads), "state_mib": mib, "floor_s": floor,
                      "recovery_over_floor": statistics.median(recov) / floor,
                      "load_over_o_direct_read": statistics.median(loads) / read_mib_s}
+    out[TIER] = bench_tier_resume(folder, steps, repeats, base, env, statistics.median(imports), memcpy_mib_s)
     return out
+
+
+TIER = "local tier (/dev/shm)"
+
+
+def bench_tier_resume(folder: Path, steps: int, repeats: int, base: list[str], env: dict, import_s: float,
+                      memcpy_mib_s: float) -> dict:
+    """A restart from the node-local tier (--local-checkpoint-dir in /dev/shm): a run SIGKILLed after its local save
+    of ``steps`` (nothing in the shared tier yet), restarted with `latest` from a pristine copy of that tier each time.
+    Its floor reads the state at memcpy speed: the tier is memory."""
+    local = Path("/dev/shm") / f"pyrecover-bench-{os.getpid()}"
+    pristine = local.with_name(local.name + "-pristine")
+    ck = folder / "train-tier"
+    tier = ["--checkpoint-dir", str(ck), "--local-checkpoint-dir", str(local), "--checkpoint-frequency", "0"]
+    try:
+        _train(base + tier + ["--training-steps", str(steps + 2), "--local-checkpoint-frequency", str(steps)],
+               dict(env, PYRECOVER_CRASH_AT_STEP=str(steps + 1)), rc=-9)
+        shutil.copytree(local, pristine, symlinks=True)
+        recov, loads, mib = [], [], 0.0
+        for _ in range(repeats):
+            shutil.rmtree(local, ignore_errors=True)
+            shutil.copytree(pristine, local, symlinks=True)
+            for newer in (ck / "default").glob("step-*"):  # the previous repeat's final step, drained there
+                shutil.rmtree(newer)
+            text = _train(base + tier + ["--training-steps", str(steps + 1), "--resume-from-checkpoint", "latest"], env)
+            recov.append(float(RECOVERY.search(text).group(1)))
+            m = RESUMED.search(text)
+            mib = float(m.group(1))
+            loads.append(mib / float(m.group(2)))
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+        shutil.rmtree(pristine, ignore_errors=True)
+    floor = import_s + mib / memcpy_mib_s
+    return {"recovery_s": med(recov), "load_mib_s": med(loads), "state_mib": mib, "floor_s": floor,
+            "recovery_over_floor": statistics.median(recov) / floor,
+            "load_over_memcpy": statistics.median(loads) / memcpy_mib_s}
 
 
 # --- report ---------------------------------------------------------------------------------------------------------
@@ -294,6 +332,13 @@ def report(res: dict, out_dir: Path, command: str) -> str:
             v = rs[k]
             lines.append(f"| {k} | {v['state_mib']:.0f} | {show(v['recovery_s'], '{:.2f}')} | {v['floor_s']:.2f} | "
                          f"{v['recovery_over_floor']:.2f} | {show(v['load_mib_s'], '{:.0f}')} | {v['load_over_o_direct_read']:.2f} |")
+    if TIER in rs:
+        v = rs[TIER]
+        lines += ["", f"From the node-local tier (`--local-checkpoint-dir` in /dev/shm, `latest`): the floor reads the "
+                  f"state at memcpy speed ({b['memcpy']['mib_s']['median']:.0f} MiB/s), the last column is the load "
+                  "÷ memcpy.", "",
+                  f"| {TIER} | {v['state_mib']:.0f} | {show(v['recovery_s'], '{:.2f}')} | {v['floor_s']:.2f} | "
+                  f"{v['recovery_over_floor']:.2f} | {show(v['load_mib_s'], '{:.0f}')} | {v['load_over_memcpy']:.2f} |"]
     target_rows = [
         ("CPU per GiB persisted (concurrent) ÷ memcpy", ratios["concurrent_cpu_per_gib_over_memcpy"], "≤ 3", ratios["concurrent_cpu_per_gib_over_memcpy"] <= 3),
         ("persist bandwidth ÷ O_DIRECT write + fsync", ratios["persist_bw_over_o_direct"], "≥ 0.85", ratios["persist_bw_over_o_direct"] >= 0.85),
@@ -377,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         res["training"] = bench_training(folder, args.steps, args.repeats, base)
         print("3/3 resume ...", flush=True)
         res["resume"] = bench_resume(folder, args.steps, args.repeats, base,
-                                     res["bytes"]["o_direct_read"]["mib_s"]["median"])
+                                     res["bytes"]["o_direct_read"]["mib_s"]["median"],
+                                     res["bytes"]["memcpy"]["mib_s"]["median"])
     goodput = out_dir / "goodput.json"
     if goodput.exists():
         res["goodput"] = _goodput_at_5min(json.loads(goodput.read_text()))

@@ -440,9 +440,16 @@ class CheckpointManager:
         if there:
             return
         step_dir = self._writing.save_dir(self.root, self.run_id, step)
+        failed = None
         if self.rank.is_main:
-            self._prepare_step_dir(step_dir)
-        self.rank.from_main(None)  # rank 0 made the folder
+            try:
+                self._prepare_step_dir(step_dir)
+            except (OSError, CheckpointError) as e:
+                failed = CheckpointError(f"cannot drain the restored step {step} to {self.root}: "
+                                         f"{getattr(e, 'strerror', None) or e}")
+        failed = self.rank.from_main(failed)  # every rank learns that rank 0 made the folder, or could not
+        if failed is not None:
+            raise failed
         meta = {k: v for k, v in meta.items() if k != "tier"}
         self._drainer.submit(step, step_dir, meta=meta, record=SaveRecord(step, 0.0), t0=time.perf_counter())
 
