@@ -146,7 +146,7 @@ class CheckpointManager:
             if step_dir is not None:
                 self._drainer.submit(step, step_dir, meta=meta, record=record, t0=t0)
             try:
-                tier.retain(self._drainer.pending | {h.step for h in list(self.in_flight) if h.step != step},
+                tier.retain(self._drainer.protected() | {h.step for h in list(self.in_flight) if h.step != step},
                             self._guard, own_staging=write_dir.parent.name)
             except Fenced as e:
                 self._note_fenced(e)
@@ -195,7 +195,7 @@ class CheckpointManager:
             # races with the training thread appending/reaping ("deque mutated during iteration").
             in_flight = {h.step for h in list(self.in_flight) if h.step != step}
             if self._drainer is not None:
-                in_flight |= self._drainer.pending - {step}
+                in_flight |= self._drainer.protected() - {step}
             if self.mirror is not None:  # before retention, which must keep what the mirror will still read
                 self.mirror.submit(step, published, record)
                 in_flight |= self.mirror.protected()

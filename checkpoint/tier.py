@@ -215,6 +215,11 @@ class Drainer:
         self._thread.start()
         self.seconds = 0.0
 
+    def protected(self) -> set[int]:
+        """The steps queued or draining now (a copy: the drainer thread changes the set)."""
+        with self._lock:
+            return set(self.pending)
+
     def submit(self, step: int, shared_dir, **land_args) -> None:
         with self._lock:
             self.pending.add(step)
