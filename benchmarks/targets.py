@@ -233,26 +233,35 @@ def bench_resume(folder: Path, steps: int, repeats: int, base: list[str], read_m
         subprocess.run([sys.executable, "-c", "import torch"], check=True, env=env)
         imports.append(time.perf_counter() - t0)
     out = {"import_torch_s": med(imports)}
+    import_s = statistics.median(imports)
     for name in ("concurrent", "dcp async (thread)"):
         ck = folder / f"train-{repeats - 1}-{re.sub(r'[^a-z]+', '-', name)}"
         if not ck.exists():
             continue
-        recov, loads, mib = [], [], 0.0
-        for _ in range(repeats):
-            drop_cache(ck)  # every restart reads a cold checkpoint, as after a node loss
-            args = base + ["--training-steps", str(steps + 1), "--checkpoint-frequency", "0", "--checkpoint-dir",
-                           str(ck), "--resume-from-checkpoint", str(steps), *CONFIGS[name]]
-            text = _train(args, env)
-            recov.append(float(RECOVERY.search(text).group(1)))
-            m = RESUMED.search(text)
-            mib = float(m.group(1))
-            loads.append(mib / float(m.group(2)))
-        floor = statistics.median(imports) + mib / read_mib_s
-        out[name] = {"recovery_s": med(recov), "load_mib_s": med(loads), "state_mib": mib, "floor_s": floor,
-                     "recovery_over_floor": statistics.median(recov) / floor,
-                     "load_over_o_direct_read": statistics.median(loads) / read_mib_s}
-    out[TIER] = bench_tier_resume(folder, steps, repeats, base, env, statistics.median(imports), memcpy_mib_s)
+        args = base + ["--training-steps", str(steps + 1), "--checkpoint-frequency", "0", "--checkpoint-dir",
+                       str(ck), "--resume-from-checkpoint", str(steps), *CONFIGS[name]]
+        # every restart reads a cold checkpoint, as after a node loss
+        out[name] = _restarts(repeats, lambda ck=ck: drop_cache(ck), args, env, import_s, read_mib_s,
+                              "load_over_o_direct_read")
+    out[TIER] = bench_tier_resume(folder, steps, repeats, base, env, import_s, memcpy_mib_s)
     return out
+
+
+def _restarts(repeats: int, before, args: list[str], env: dict, import_s: float, read_mib_s: float,
+              ratio: str) -> dict:
+    """``repeats`` restarts of train.py ``args`` (``before()`` readies each): its `recovery:` and `resumed from` lines,
+    against the floor `import torch` + reading the state at ``read_mib_s``; ``ratio`` names load ÷ that bandwidth."""
+    recov, loads, mib = [], [], 0.0
+    for _ in range(repeats):
+        before()
+        text = _train(args, env)
+        recov.append(float(RECOVERY.search(text).group(1)))
+        m = RESUMED.search(text)
+        mib = float(m.group(1))
+        loads.append(mib / float(m.group(2)))
+    floor = import_s + mib / read_mib_s
+    return {"recovery_s": med(recov), "load_mib_s": med(loads), "state_mib": mib, "floor_s": floor,
+            "recovery_over_floor": statistics.median(recov) / floor, ratio: statistics.median(loads) / read_mib_s}
 
 
 TIER = "local tier (/dev/shm)"
@@ -267,28 +276,23 @@ def bench_tier_resume(folder: Path, steps: int, repeats: int, base: list[str], e
     pristine = local.with_name(local.name + "-pristine")
     ck = folder / "train-tier"
     tier = ["--checkpoint-dir", str(ck), "--local-checkpoint-dir", str(local), "--checkpoint-frequency", "0"]
+
+    def restore() -> None:
+        shutil.rmtree(local, ignore_errors=True)
+        shutil.copytree(pristine, local, symlinks=True)
+        for newer in (ck / "default").glob("step-*"):  # the previous restart's final step, drained there
+            shutil.rmtree(newer)
+
     try:
         _train(base + tier + ["--training-steps", str(steps + 2), "--local-checkpoint-frequency", str(steps)],
                dict(env, PYRECOVER_CRASH_AT_STEP=str(steps + 1)), rc=-9)
         shutil.copytree(local, pristine, symlinks=True)
-        recov, loads, mib = [], [], 0.0
-        for _ in range(repeats):
-            shutil.rmtree(local, ignore_errors=True)
-            shutil.copytree(pristine, local, symlinks=True)
-            for newer in (ck / "default").glob("step-*"):  # the previous repeat's final step, drained there
-                shutil.rmtree(newer)
-            text = _train(base + tier + ["--training-steps", str(steps + 1), "--resume-from-checkpoint", "latest"], env)
-            recov.append(float(RECOVERY.search(text).group(1)))
-            m = RESUMED.search(text)
-            mib = float(m.group(1))
-            loads.append(mib / float(m.group(2)))
+        return _restarts(repeats, restore, base + tier + ["--training-steps", str(steps + 1),
+                                                          "--resume-from-checkpoint", "latest"],
+                         env, import_s, memcpy_mib_s, "load_over_memcpy")
     finally:
         shutil.rmtree(local, ignore_errors=True)
         shutil.rmtree(pristine, ignore_errors=True)
-    floor = import_s + mib / memcpy_mib_s
-    return {"recovery_s": med(recov), "load_mib_s": med(loads), "state_mib": mib, "floor_s": floor,
-            "recovery_over_floor": statistics.median(recov) / floor,
-            "load_over_memcpy": statistics.median(loads) / memcpy_mib_s}
 
 
 # --- report ---------------------------------------------------------------------------------------------------------

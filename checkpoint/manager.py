@@ -23,7 +23,7 @@ from .fsio import MiB, is_disk_full
 from .lease import Fenced, Lease
 from .mirror import Mirror
 from .state import CheckpointState
-from .tier import Drainer, LocalTier, everywhere
+from .tier import Drainer, LocalTier, everywhere, part_bytes
 
 _log = logging.getLogger(__name__)
 
@@ -101,22 +101,13 @@ class CheckpointManager:
         if tier is not None and shared:
             self._drainer.wait()  # one drain at a time: a shared tier slower than its interval stalls, never piles up
         step_dir = self._writing.save_dir(self.root, self.run_id, step) if shared else None
-        failed = None
-        if self.rank.is_main and step_dir is not None:
-            try:
-                self._prepare_step_dir(step_dir)
-            except (OSError, CheckpointError) as e:
-                failed = self._save_failed(step, step_dir, e)
         if step_dir is not None:
-            failed = self.rank.from_main(failed)  # no rank writes into the folder before rank 0 has made it
-        if failed is not None:
-            raise failed
+            self._prepare_everywhere(step, step_dir)
         write_dir = step_dir
         try:
-            if tier is not None:
-                self._guard("start a save")
+            if tier is not None:  # fenced: the local publish refuses (its guard), as the shared commit does
                 write_dir = tier.save_dir(self.run_id, step)
-                tier.check_space(lambda: state.nbytes(self.backend.writes_shared))
+                tier.check_space(lambda: part_bytes(state, self.backend.writes_shared))
             payload = self.backend.save(write_dir, state)
         except (OSError, CheckpointError) as e:
             raise self._save_failed(step, step_dir, e, local=write_dir if tier is not None else None) from None
@@ -128,7 +119,6 @@ class CheckpointManager:
                 if tier is None:
                     self._land(step, step_dir, files, meta=meta, record=record, t0=t0)
                     return
-                self._guard(f"commit step {step} in the local tier")
                 tier.commit(write_dir, step, files, backend=self.backend.name, run_id=self.run_id, meta=meta or {},
                             guard=self._guard)
             except (OSError, CheckpointError) as e:
@@ -243,6 +233,19 @@ class CheckpointManager:
     @property
     def fenced(self) -> bool:
         return self.lease is not None and self.lease.fenced()
+
+    def _prepare_everywhere(self, step: int, step_dir: Path) -> None:
+        """Rank 0 makes the shared tier's folder for ``step``; every rank learns it did (a broadcast: no rank writes
+        into it before), or gets its failure as one line."""
+        failed = None
+        if self.rank.is_main:
+            try:
+                self._prepare_step_dir(step_dir)
+            except (OSError, CheckpointError) as e:
+                failed = self._save_failed(step, step_dir, e)
+        failed = self.rank.from_main(failed)
+        if failed is not None:
+            raise failed
 
     def _prepare_step_dir(self, step_dir: Path) -> None:
         self._guard("start a save")
@@ -440,16 +443,7 @@ class CheckpointManager:
         if there:
             return
         step_dir = self._writing.save_dir(self.root, self.run_id, step)
-        failed = None
-        if self.rank.is_main:
-            try:
-                self._prepare_step_dir(step_dir)
-            except (OSError, CheckpointError) as e:
-                failed = CheckpointError(f"cannot drain the restored step {step} to {self.root}: "
-                                         f"{getattr(e, 'strerror', None) or e}")
-        failed = self.rank.from_main(failed)  # every rank learns that rank 0 made the folder, or could not
-        if failed is not None:
-            raise failed
+        self._prepare_everywhere(step, step_dir)
         meta = {k: v for k, v in meta.items() if k != "tier"}
         self._drainer.submit(step, step_dir, meta=meta, record=SaveRecord(step, 0.0), t0=time.perf_counter())
 
@@ -483,7 +477,7 @@ class CheckpointManager:
                 self.tier.clear()  # a fresh start: nothing local belongs to it
         step = self.load(spec, state) if spec else None
         if self.tier is not None:  # pre-flight: the local tier holds what is known of the state now
-            self.tier.check_space(lambda: state.nbytes(self.backend.writes_shared), first_save=False)
+            self.tier.check_space(lambda: part_bytes(state, self.backend.writes_shared), first_save=False)
         return step
 
     def follow(self, step: int | None, *, keep_files: tuple[str, ...] = ()) -> None:

@@ -275,22 +275,3 @@ class CheckpointState(dict):
     def per_rank(self) -> dict[str, Stateful]:
         return {k: v for k, v in self.items() if k in PER_RANK_KEYS}
 
-    def nbytes(self, shared: bool) -> int:
-        """The tensor bytes this rank saves (``shared``: with the shared pieces): what a checkpoint part needs on
-        disk, give or take the small per-rank pieces."""
-        pieces = [p for p in (self.shared() if shared else {}).values()
-                  # an optimizer before its first step: no moments yet, and DCP's state_dict would make them by
-                  # stepping it (its step count would change the run)
-                  if not (isinstance(p, OptimizerState) and not p.optimizer.state)]
-        return sum(t.numel() * t.element_size() for piece in pieces for t in _tensors(piece.state_dict()))
-
-
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)

@@ -33,13 +33,16 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from . import knobs, layout, storage
 from .backends import RankInfo
 from .backends.torchfile import load_pieces, rank_file
 from .errors import CheckpointError
 from .fsio import MiB, is_disk_full
 from .logs import EVERY_RANK
-from .state import CheckpointState
+from .reader import flatten
+from .state import CheckpointState, OptimizerState
 
 _log = logging.getLogger(__name__)
 
@@ -190,6 +193,16 @@ class LocalTier:
             _log.warning(f"warning: local tier: cannot remove {info.path}: {e}")
 
 
+def part_bytes(state: CheckpointState, shared: bool) -> int:
+    """The tensor bytes of this rank's part (``shared``: with the replicated pieces), give or take the small per-rank
+    pieces. An optimizer before its first step counts nothing: it has no moments yet, and DCP's state_dict would make
+    them by stepping it (its step count would change the run)."""
+    pieces = [p for p in (state.shared() if shared else {}).values()
+              if not (isinstance(p, OptimizerState) and not p.optimizer.state)]
+    return sum(t.numel() * t.element_size() for p in pieces for _, t in flatten(p.state_dict())
+               if isinstance(t, torch.Tensor))
+
+
 def _tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file() and not p.is_symlink())
 
@@ -213,7 +226,6 @@ class Drainer:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="ckpt-drain", daemon=True)
         self._thread.start()
-        self.seconds = 0.0
 
     def protected(self) -> set[int]:
         """The steps queued or draining now (a copy: the drainer thread changes the set)."""
@@ -231,7 +243,6 @@ class Drainer:
             if item is None:
                 return
             step, shared_dir, land_args = item
-            t0 = time.perf_counter()
             try:
                 if self._error is None:
                     files = {}
@@ -242,7 +253,6 @@ class Drainer:
             except BaseException as e:  # noqa: BLE001 - re-raised in the training thread (poll/wait)
                 self._error = self._error or e
             finally:
-                self.seconds += time.perf_counter() - t0
                 with self._lock:
                     self.pending.discard(step)
                 self._queue.task_done()

@@ -50,7 +50,7 @@ def payload_pieces(state: CheckpointState, rank: int, *, shared: bool | None = N
     """The files this rank writes and what goes in each (state_dicts taken now). ``shared``: this rank writes the
     shared pieces (default: rank 0; in the local tier, every node's leader)."""
     pieces = {}
-    if rank == 0 if shared is None else shared:
+    if shared if shared is not None else rank == 0:
         pieces.update({f"{key}.pt": piece.state_dict() for key, piece in state.shared().items()})
     pieces[rank_file(rank)] = {key: piece.state_dict() for key, piece in state.per_rank().items()}
     return pieces

@@ -22,7 +22,8 @@ class VanillaBackend(Backend):
 
     def save(self, step_dir: Path, state: CheckpointState) -> PayloadHandle:
         self.check_state(state)
-        return CompletedPayload(save_pieces(step_dir, payload_pieces(state, self.rank.rank, shared=self.writes_shared), self.rank.rank))
+        pieces = payload_pieces(state, self.rank.rank, shared=self.writes_shared)
+        return CompletedPayload(save_pieces(step_dir, pieces, self.rank.rank))
 
     def load(self, step_dir: Path, manifest: dict, state: CheckpointState, *, verified: dict | None = None) -> None:
         load_pieces(step_dir, manifest, state, self.rank.rank, verified)
