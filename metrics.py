@@ -14,7 +14,7 @@ import torch
 
 from checkpoint import knobs
 from checkpoint.logs import EVERY_RANK
-from checkpoint.fsio import fsync_dir
+from checkpoint.fsio import fsync_dir, make_dirs
 
 _log = logging.getLogger("pyrecover.metrics")
 
@@ -38,7 +38,7 @@ class LossCSV:
 
     def __init__(self, path: Path, resumed_step: int | None):
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(path.parent)
         rows = []
         if path.exists():
             with open(path, newline="") as f:

@@ -353,6 +353,22 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def make_dirs(path: Path) -> None:
+    """``mkdir -p`` whose new folders survive a power cut: a folder's name is durable only once the folder holding it
+    is fsynced, so each folder created here is fsynced into its parent (found by tests/powerloss: without it, strict
+    POSIX may lose a new run folder with every checkpoint in it)."""
+    path, missing = Path(path), []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+        except FileExistsError:  # another rank or process made it: its creator fsyncs it
+            continue
+        fsync_dir(folder.parent)
+
+
 def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
 

@@ -63,7 +63,7 @@ import torch.distributed as dist
 from . import layout
 from .errors import CheckpointError, first_line
 from .lease import Fenced
-from .fsio import atomic_write_bytes
+from .fsio import atomic_write_bytes, make_dirs
 from .logs import EVERY_RANK
 from .manager import CheckpointManager
 from .state import CheckpointState
@@ -203,7 +203,7 @@ class JustInTime(NoJIT):
     def _elect(self) -> bool:
         """Claim on the filesystem; True if this rank is the one that writes."""
         r, work = self.rank.rank, self.manager.jit_folder
-        work.mkdir(parents=True, exist_ok=True)
+        make_dirs(work)
         atomic_write_bytes(work / f"claim-rank-{r:05d}", str(os.getpid()).encode())
         if r > 0:
             deadline = time.monotonic() + CLAIM_GRACE_S

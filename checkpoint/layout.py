@@ -27,7 +27,7 @@ from typing import Callable
 from . import storage
 from .backends import BACKENDS  # the registry alone: the backend modules, which build on this one, load lazily
 from .errors import CheckpointError
-from .fsio import CHECKSUM_ALGORITHM, HASHERS, atomic_write_bytes, checksum_bytes, fsync_dir  # noqa: F401
+from .fsio import CHECKSUM_ALGORITHM, HASHERS, atomic_write_bytes, checksum_bytes, fsync_dir, make_dirs  # noqa: F401
 from .knobs import fault_point
 
 _log = logging.getLogger(__name__)
@@ -679,7 +679,7 @@ def retire_newer(root: Path, step: int, *, keep_files: tuple[str, ...] = (), gua
         return None
     guard("retire the checkpoints of an abandoned line")
     dest = root / RETIRED_DIR / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-after-step-{step}"
-    dest.mkdir(parents=True, exist_ok=True)
+    make_dirs(dest)
     for name in keep_files:
         if (root / name).is_file():
             storage.copy_file(root / name, dest / name)

@@ -49,7 +49,7 @@ from typing import Callable, Mapping
 
 from . import knobs, slurm
 from .errors import CheckpointError
-from .fsio import fsync_dir
+from .fsio import fsync_dir, make_dirs
 
 _log = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ def acquire(root: Path, *, force: bool = False, environ: Mapping[str, str] = os.
 def _acquire(root: Path, force: bool, environ: Mapping[str, str], job_running: Callable[[str], bool | None],
              ) -> Lease:
     owner_dir = Path(root) / OWNER_DIR
-    owner_dir.mkdir(parents=True, exist_ok=True)
+    make_dirs(owner_dir)
     me = identity(environ)
     for _ in range(100):  # each retry means another start won a generation in between: re-judge its holder
         gens = generations(owner_dir)

@@ -39,7 +39,7 @@ from . import knobs, layout, storage
 from .backends import RankInfo
 from .backends.torchfile import load_pieces, rank_file
 from .errors import CheckpointError
-from .fsio import MiB, is_disk_full
+from .fsio import MiB, is_disk_full, make_dirs
 from .logs import EVERY_RANK
 from .reader import flatten
 from .state import CheckpointState, OptimizerState
@@ -87,7 +87,7 @@ class LocalTier:
             return
         self._checked_space = first_save
         nbytes = part_bytes()
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.root)
         st = os.statvfs(self.root)
         free = st.f_bavail * st.f_frsize + sum(_tree_bytes(i.path) for i in layout.list_checkpoints(self.root))
         need = (self.keep + 1) * nbytes

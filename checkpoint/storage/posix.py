@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 from ..errors import CheckpointError
 from ..fsio import (CHECKSUM_ALGORITHM, ChecksumWriter, atomic_write, checksum_file, fsync_dir, io_mode,
-                    read_verified)
+                    make_dirs, read_verified)
 from .base import CHUNK, Medium
 
 
@@ -80,7 +80,7 @@ class Posix(Medium):
     def ensure_writable(self, root) -> None:
         probe = Path(root) / f".write-probe-{os.getpid()}"
         try:
-            Path(root).mkdir(parents=True, exist_ok=True)
+            make_dirs(Path(root))
             try:
                 probe.write_bytes(b"ok")
             finally:  # a full disk creates the file and then fails the write: never leave it behind
