@@ -451,17 +451,22 @@ def _prepare_out(out: Path, force: bool, source: Path) -> None:
 
 
 def _publish(staging: Path, out: Path) -> None:
-    """Put the complete export in place; a replaced OUT is deleted only after the new one is there."""
-    old = None
+    """Put the complete export in place; a replaced OUT is deleted only after the new one is there. Where the
+    filesystem can, the two folders swap names in one step, so OUT is never missing, not even across a power cut
+    (tests/powerloss found the gap between the two renames below); elsewhere two renames, the old one kept until the
+    new one is in place."""
+    old, swapped = None, False
     if out.is_dir() and any(out.iterdir()):
         old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(out, old)
-    try:
-        os.replace(staging, out)  # over an empty OUT folder, or to a new name
-    except OSError:
-        if old is not None:
-            os.rename(old, out)  # the earlier export stays where it was
-        raise
+        swapped = fsio.exchange(staging, out)
+        os.rename(staging if swapped else out, old)  # the earlier export, under a name the caller never removes
+    if not swapped:
+        try:
+            os.replace(staging, out)  # over an empty OUT folder, or to a new name
+        except OSError:
+            if old is not None:
+                os.rename(old, out)  # the earlier export stays where it was
+            raise
     fsio.fsync_dir(out.parent)
     if old is not None:  # checked by _prepare_out; checked again, since it is deleted
         storage.check_owned(old, EXPORT_FILE_RE.match, f"the earlier export stays in {old}")
@@ -494,7 +499,7 @@ def export_hf(src, out, *, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, dtype: 
     import safetensors.torch  # the format transformers loads, written by its own library
 
     out = Path(os.path.abspath(out))  # `.` or `..` has no name to put a hidden staging folder beside
-    out.parent.mkdir(parents=True, exist_ok=True)
+    fsio.make_dirs(out.parent)
     staging = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:8]}")
     staging.mkdir()
     try:

@@ -42,7 +42,7 @@ class LossCSV:
         rows = []
         if path.exists():
             with open(path, newline="") as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= (resumed_step or 0)]
+                rows = [r for r in _whole_rows(csv.DictReader(f)) if int(r["step"]) <= (resumed_step or 0)]
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         with open(tmp, "w", newline="") as f:
             w = csv.DictWriter(f, self.FIELDS)
@@ -63,6 +63,18 @@ class LossCSV:
         """Make rows durable up to a checkpoint: a resume must never find fewer rows than the step it resumes."""
         os.fsync(self.file.fileno())
         fsync_dir(self.path.parent)
+
+
+def _whole_rows(reader):
+    """The rows before the first one that does not parse: appends after the last sync may survive a power cut torn
+    or as zeros (tests/powerloss found a resume dying on a NUL-filled row). Those rows are past the checkpoint the
+    run resumes from, and get rewritten."""
+    for r in reader:
+        try:
+            int(r["step"]), float(r["loss"]), float(r["lr"]), int(r["tokens_seen"])
+        except (KeyError, TypeError, ValueError):
+            return
+        yield r
 
 
 def device_peak_flops(device: torch.device) -> float | None:

@@ -369,6 +369,32 @@ def make_dirs(path: Path) -> None:
         fsync_dir(folder.parent)
 
 
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+_libc = None
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two names in one atomic step (Linux renameat2 RENAME_EXCHANGE): a reader, or a power cut, sees either
+    both old names or both new ones. False where the filesystem or kernel cannot (NFS, some FUSE, not Linux): the
+    caller then falls back to two renames."""
+    global _libc
+    import ctypes
+    import ctypes.util
+
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    renameat2 = getattr(_libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
 def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
 

@@ -96,6 +96,11 @@ class _RecordingStream(ChecksumWriter):
     """fsio's ChecksumWriter plus what DCP's writer calls on a stream (fileno for fsync, close)."""
 
     def fileno(self) -> int:
+        # DCP asks for the descriptor only to fsync it, and fsyncs without flushing its buffered stream first
+        # (torch/distributed/checkpoint/filesystem.py: `_write_files_from_queue` and `FileSystemWriter.finish` call
+        # os.fsync(stream.fileno()) on an open(path, "wb") stream), so a tail still in Python's buffer would miss the
+        # fsync: flush it into the kernel here. tests/test_powerloss.py shows the difference on a .metadata file.
+        self._raw.flush()
         return self._raw.fileno()  # AttributeError on S3: DCP then skips the fsync (S3 writers do not fsync)
 
     def close(self) -> None:

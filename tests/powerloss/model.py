@@ -13,8 +13,9 @@ What survives is decided per profile (``PROFILES``):
     that a rename over an existing file carries the renamed file's data with it (``auto_da_alloc``); a crash may keep
     a prefix of a file's unsynced writes, the last one torn at a page.
 ``nfs`` (NFS-like client caching)
-    Unsynced data is lost. A rename is not atomic: its new name and the removal of its old name become durable
-    separately, each with an fsync of its own folder, and a crash may keep either, both or neither.
+    Unsynced data is lost. A rename (or a RENAME_EXCHANGE swap) is not atomic: its new name and the removal of its
+    old name become durable separately, each with an fsync of its own folder, and a crash may keep either, both or
+    neither.
 
 ``states(ops, k, profile, variants, seed)`` yields the distinct durable states after the first k operations: the
 state with only what was made durable, then seeded variants that also keep unsynced operations the profile allows.
@@ -33,7 +34,8 @@ from pathlib import Path
 
 PAGE = 4096
 PROFILES = ("posix", "ext4", "nfs")
-NAMESPACE = {"create", "mkdir", "symlink", "link", "unlink", "rmdir", "rename", "rename-new", "rename-old"}
+NAMESPACE = {"create", "mkdir", "symlink", "link", "unlink", "rmdir", "rename", "rename-new", "rename-old", "exchange",
+             "exchange-new", "exchange-old"}
 DATA = {"write", "truncate"}
 
 
@@ -58,12 +60,10 @@ class _Replay:
 
 def _touched(op: list) -> tuple:
     name = op[0]
-    if name == "rename":
+    if name in ("rename", "exchange"):
         return (op[2], op[4])
-    if name in ("rename-new",):
+    if name in ("rename-new", "exchange-new"):
         return (op[4],)
-    if name in ("rename-old",):
-        return (op[2],)
     return (op[2],)
 
 
@@ -81,9 +81,9 @@ def _replay(ops: list[list], k: int, profile: str) -> _Replay:
                 r.folders.add(op[4])
             if name == "symlink":
                 r.symlinks[op[4]] = op[5]
-            if name == "rename" and profile == "nfs":  # not atomic: the new name and the old one's removal apart
-                r.ns.append([i, ["rename-new", *op[1:]], (op[4],), False])
-                r.ns.append([i, ["rename-old", *op[1:]], (op[2],), False])
+            if name in ("rename", "exchange") and profile == "nfs":  # not atomic: each folder's half on its own
+                r.ns.append([i, [name + "-new", *op[1:]], (op[4],), False])
+                r.ns.append([i, [name + "-old", *op[1:]], (op[2],), False])
                 continue
             entry = [i, op, _touched(op), False]
             if name == "rename" and profile == "ext4" and op[7] is not None and op[6] in r.data:
@@ -127,6 +127,10 @@ def _namespace(r: _Replay, kept_ns: set) -> tuple[dict, dict]:
                 del entries[op[2]][op[3]]
         if name in ("rename", "rename-new"):
             entries.setdefault(op[4], {})[op[5]] = op[6]
+        if name in ("exchange", "exchange-new"):  # the second name now holds the first node, and vice versa
+            entries.setdefault(op[4], {})[op[5]] = op[6]
+        if name in ("exchange", "exchange-old"):
+            entries.setdefault(op[2], {})[op[3]] = op[7]
         if len(entry) > 4:
             node, n = entry[4]
             flushed[node] = max(flushed.get(node, 0), n)
@@ -223,6 +227,18 @@ def state_at(ops: list[list], k: int, profile: str, variant: int = 0, seed: int 
     return _tree(r, entries, _pending_data_variant(ops, r, rng, profile), flushed)
 
 
+def visible_at(ops: list[list], k: int) -> dict:
+    """What the process saw after the first k operations (every operation kept): the state a process kill leaves,
+    used to start a second traced run from the leftovers of an interrupted one."""
+    r = _replay(ops, k, "posix")
+    for entry in r.ns:
+        entry[3] = True
+    for node, idx in r.data.items():
+        r.synced[node] = len(idx)
+    entries, flushed = _namespace(r, set())
+    return _tree(r, entries, {}, flushed)
+
+
 def signature(state: dict) -> int:
     return hash(tuple(sorted(state.items())))
 
@@ -239,6 +255,14 @@ def materialize(state: dict, ops: list[list], log_dir: Path, out: Path) -> None:
                 os.symlink(what[1], p)
             else:
                 p.write_bytes(_content(what[1], ops, blobs))
+
+
+def files(state: dict, ops: list[list], log_dir: Path, under: str = "") -> dict[str, bytes]:
+    """The bytes of every file of a state below ``under`` (a folder path, "" for all), keyed by the path below it."""
+    prefix = under.rstrip("/") + "/" if under else ""
+    with open(Path(log_dir) / "data.bin", "rb") as blobs:
+        return {path[len(prefix):]: _content(what[1], ops, blobs) for path, what in state.items()
+                if path.startswith(prefix) and what[0] == "file"}
 
 
 def _content(spec: tuple, ops: list[list], blobs) -> bytes:

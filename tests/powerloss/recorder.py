@@ -22,7 +22,10 @@ import sys
 import time
 from pathlib import Path
 
+from checkpoint.fsio import exchange
+
 ROOT_NODE = 0
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2  # linux/fs.h
 
 
 class Recorder:
@@ -207,10 +210,21 @@ class Recorder:
         self._log("unlink", parent, name, self.entries[parent].pop(name))
         return 0
 
-    def rename(self, old, new):
-        os.rename(self._real(old), self._real(new))
+    def rename(self, old, new, flags=0):
         sp, sname = self._split(old)
         dp, dname = self._split(new)
+        if flags & RENAME_EXCHANGE:
+            if not exchange(Path(self._real(old)), Path(self._real(new))):
+                raise OSError(errno.EINVAL, "")
+            a, b = self.entries[sp][sname], self.entries[dp][dname]
+            self.entries[sp][sname], self.entries[dp][dname] = b, a
+            self._log("exchange", sp, sname, dp, dname, a, b)
+            return 0
+        if flags & ~RENAME_NOREPLACE:
+            raise OSError(errno.EINVAL, "")
+        if flags & RENAME_NOREPLACE and os.path.lexists(self._real(new)):
+            raise OSError(errno.EEXIST, "")
+        os.rename(self._real(old), self._real(new))
         node = self.entries[sp].pop(sname)
         replaced = self.entries[dp].get(dname)
         self.entries[dp][dname] = node
@@ -243,9 +257,14 @@ def main(argv: list[str]) -> int:
 
     import mfusepy
 
+    class FUSE(mfusepy.FUSE):
+        def rename_fuse_3(self, old: bytes, new: bytes, flags: int) -> int:  # mfusepy drops renameat2's flags
+            return self.operations.rename(old.decode(self.encoding, self.errors),
+                                          new.decode(self.encoding, self.errors), flags)
+
     logging.getLogger("mfusepy").setLevel(logging.CRITICAL)  # an ENOENT from getattr is not news
     backing, mountpoint, log_dir = argv
-    mfusepy.FUSE(Recorder(backing, log_dir), mountpoint, foreground=True, nothreads=True)
+    FUSE(Recorder(backing, log_dir), mountpoint, foreground=True, nothreads=True)
     return 0
 
 
