@@ -23,6 +23,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,8 +41,8 @@ STEPS = 6
 # Saves at 2, 4 and 6 with one kept: every save after the first replaces the previous one (retention), and the run
 # ends with a final save; the token cache is built on the traced filesystem too. Three traces per configuration:
 #   run     a fresh start: the lease, the token cache, three saves, two retentions, the end;
-#   sweep   a restart over the leftovers of a run killed just before it published step 6 (its staging folder, temporary
-#           files): the start-up sweep, then the save of step 6 again;
+#   sweep   a restart over the leftovers of a run killed halfway through writing step 6 (its staging folder, temporary
+#           files): the start-up sweep, then steps 5-6 and the save of step 6 again;
 #   retire  a restart from step 4 (`--resume-from-checkpoint 4`) over a run folder that also holds step 6: the newer
 #           line is retired (moved aside), then steps 5-6 are trained and saved again.
 SCENARIOS = ("run", "sweep", "retire")
@@ -134,9 +135,11 @@ def traces(config: str, work: Path, scenarios=SCENARIOS) -> dict[str, Trace]:
     first = trace(config, work / "run")
     out = {"run": first}
     publish = _publish_of(first.ops, STEPS)
-    if "sweep" in scenarios:  # killed just before step 6 was published: everything the process had written is there
-        out["sweep"] = trace(config, work / "sweep", start=(model.visible_at(first.ops, publish), first),
-                             extra=("--resume-from-checkpoint", "latest"), floor0=first.floor(publish))
+    if "sweep" in scenarios:  # killed halfway through writing step 6: its staging folder, files and temporaries
+        begun = next(i for i, op in enumerate(first.ops) if op[0] == "mkdir" and op[3] == f"step-{STEPS:08d}")
+        killed = (begun + publish) // 2
+        out["sweep"] = trace(config, work / "sweep", start=(model.visible_at(first.ops, killed), first),
+                             extra=("--resume-from-checkpoint", "latest"), floor0=first.floor(killed))
     if "retire" in scenarios:  # step 6 published, step 4 not yet removed by retention; the user goes back to step 4
         out["retire"] = trace(config, work / "retire", start=(model.visible_at(first.ops, publish + 1), first),
                               extra=("--resume-from-checkpoint", str(STEPS - 2)), floor0=STEPS - 2)
@@ -332,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
             if x not in known:
                 print(f"error: unknown {name} {x!r}; choose from {', '.join(known)}", file=sys.stderr)
                 return 2
+    # a SIGTERM (timeout, Ctrl-C's cousin) unwinds like an exception, so every recording mount is unmounted
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = args.work or Path(tempfile.mkdtemp(prefix="powerloss-"))
     t0 = time.monotonic()
     scenarios = [x for x in args.scenarios.split(",") if x]

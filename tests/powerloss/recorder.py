@@ -22,8 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-from checkpoint.fsio import exchange
-
 ROOT_NODE = 0
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2  # linux/fs.h
 
@@ -214,6 +212,8 @@ class Recorder:
         sp, sname = self._split(old)
         dp, dname = self._split(new)
         if flags & RENAME_EXCHANGE:
+            from checkpoint.fsio import exchange  # here: the checkpoint package's imports would slow every mount
+
             if not exchange(Path(self._real(old)), Path(self._real(new))):
                 raise OSError(errno.EINVAL, "")
             a, b = self.entries[sp][sname], self.entries[dp][dname]
