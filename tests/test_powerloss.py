@@ -92,6 +92,8 @@ def test_a_missing_directory_fsync_loses_the_rename(mount):
     mount.ops = model.load(mount.log_dir)
     for profile in model.PROFILES:
         assert _final(mount, "data", profile) == OLD, profile
+    mount.crash("posix")  # the same, as files: the backing folder now holds only what survived
+    assert sorted(os.listdir(mount.backing)) == ["data"] and (mount.backing / "data").read_bytes() == OLD
 
 
 def test_a_commit_marker_written_before_the_data_is_durable_commits_garbage(mount):

@@ -322,6 +322,22 @@ class Mount:
                 os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
 
+    def crash(self, profile: str = "posix", k: int | None = None, variant: int = 0, seed: int = 0) -> dict:
+        """A power cut: unmount, and leave in the backing folder only what survives a cut after the first k logged
+        operations (all by default) under ``profile``; variant > 0 also keeps a seeded choice of unsynced operations.
+        Returns the state (model.state_at)."""
+        from . import model
+
+        self.unmount()
+        ops = model.load(self.log_dir)
+        state = model.state_at(ops, len(ops) if k is None else k, profile, variant, seed)
+        survivor = self.backing.with_name(self.backing.name + ".crashed")
+        shutil.rmtree(survivor, ignore_errors=True)
+        model.materialize(state, ops, self.log_dir, survivor)
+        shutil.rmtree(self.backing)
+        survivor.rename(self.backing)
+        return state
+
     def __exit__(self, *exc) -> None:
         self.unmount()
 
