@@ -235,7 +235,7 @@ class Metrics:
             _log.info(f"jit: the loss of step {step} is unknown here; the loss CSV may lack that row", extra=EVERY_RANK)
             return
         with open(self.csv_path, newline="") as f:
-            steps = [int(r["step"]) for r in csv.DictReader(f) if (r.get("step") or "").isdigit()]
+            steps = [int(r["step"]) for r in _whole_rows(csv.DictReader(f))]
         if steps and max(steps) >= step:
             return
         with open(self.csv_path, "a", newline="") as f:

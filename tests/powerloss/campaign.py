@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import random
 import re
 import shutil
@@ -33,10 +32,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from check_weights_equality import compare
+from helpers import PY, ROOT, TINY, env_for_tests
+
 from . import model
 from .recorder import Mount, fuse_problem
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
 # Saves at 2, 4 and 6 with one kept: every save after the first replaces the previous one (retention), and the run
 # ends with a final save; the token cache is built on the traced filesystem too. Three traces per configuration:
@@ -46,8 +47,7 @@ STEPS = 6
 #   retire  a restart from step 4 (`--resume-from-checkpoint 4`) over a run folder that also holds step 6: the newer
 #           line is retired (moved aside), then steps 5-6 are trained and saved again.
 SCENARIOS = ("run", "sweep", "retire")
-RUN = ["--model", "tiny", "--sequence-length", "32", "--batch-size", "4", "--lr-warmup-steps", "5",
-       "--logging-frequency", "5", "--training-steps", str(STEPS), "--checkpoint-frequency", "2",
+RUN = TINY + ["--training-steps", str(STEPS), "--checkpoint-frequency", "2",
        "--experiment-name", "e", "--max-kept-checkpoints", "1", "--log-loss-to-csv", "--data-cache-dir", "{root}/cache"]
 CONFIGS = {
     "vanilla": ["--checkpoint-backend", "vanilla"],
@@ -74,20 +74,13 @@ REPORTED = re.compile(r"checkpoint step (\d+) committed")
 RESUMED = re.compile(r"resumed from .*\(step (\d+)")
 
 
-def _env() -> dict:
-    env = dict(os.environ)
-    env.pop("PYRECOVER_FAULT", None)
-    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    return env
-
-
 def _args(config: str, root: Path, extra: tuple = ()) -> list[str]:
     flags = [a.replace("{root}", str(root)) for a in RUN + CONFIGS[config]]
-    return [sys.executable, str(ROOT / "train.py"), *flags, "--checkpoint-dir", str(root / "ck"), *extra]
+    return [PY, str(ROOT / "train.py"), *flags, "--checkpoint-dir", str(root / "ck"), *extra]
 
 
 def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_for_tests(), cwd=ROOT)
 
 
 @dataclass
@@ -114,7 +107,7 @@ def trace(config: str, work: Path, *, start: tuple | None = None, extra: tuple =
     reports = []
     with Mount(work / "backing", work / "mnt", log_dir):
         proc = subprocess.Popen(_args(config, work / "mnt", extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=_env(), cwd=ROOT)
+                                text=True, env=env_for_tests(), cwd=ROOT)
         out = []
         for line in proc.stdout:
             out.append(line)
@@ -169,19 +162,6 @@ def _rows(root: Path) -> list:
     return [tuple(r[i] for i in keep) for r in rows[1:]]
 
 
-def _same(a, b) -> bool:
-    import torch
-
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-            a.reshape(-1).view(torch.uint8) if a.numel() else a, b.reshape(-1).view(torch.uint8) if b.numel() else b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 @dataclass
 class Outcome:
     verdict: str  # "ok" | "lost" | "mismatched"
@@ -201,8 +181,9 @@ def check(config: str, state: dict, trace_: Trace, floor: int, ref: tuple, work:
             return Outcome("lost", f"resume exited {proc.returncode}: {text.strip().splitlines()[-1][:300]}", resumed)
         if resumed < floor:
             return Outcome("lost", f"resumed from step {resumed}, but step {floor} had been reported durable", resumed)
-        if not _same(_final(root), ref[0]):
-            return Outcome("mismatched", "final weights or optimizer state differ from the uninterrupted run", resumed)
+        final = _final(root)
+        if problems := [p for s in final for p in compare(final[s], ref[0][s], 0, False, s)]:  # bitwise
+            return Outcome("mismatched", f"differs from the uninterrupted run: {problems[0]}", resumed)
         rows = _rows(root)
         if rows != ref[1]:
             steps = [r[0] for r in rows]
@@ -272,7 +253,7 @@ def export_campaign(work: Path, source: Path, profiles: list[str], variants: int
     the first export or the second, never neither, never a mix."""
     work.mkdir(parents=True, exist_ok=True)
     out = work / "mnt" / "out"
-    export = [sys.executable, str(ROOT / "hf.py"), "export", str(source), str(out), "--to", "hf"]
+    export = [PY, str(ROOT / "hf.py"), "export", str(source), str(out), "--to", "hf"]
     with Mount(work / "backing", work / "mnt", work / "log"):
         for extra in (("--dtype", "bfloat16"), ("--force",)):
             proc = _run(export + list(extra))
