@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import shlex
 import signal
 import sys
 import time
@@ -49,6 +50,7 @@ MINE: list[int] = []
 WRAPPER = """#!/bin/bash
 trap : USR1 USR2 TERM
 n=${{SLURM_RESTART_COUNT:-0}}-${{SLURM_PROCID}}
+if [ "${{SLURM_RESTART_COUNT:-0}}" -ge 1 ]; then set -- "$@" {requeued_args}; fi
 "{py}" "$@" > >(trap '' USR1 USR2 TERM; exec tee -a "{work}/rank-$n.log") 2>&1
 rc=$?
 echo $rc > "{work}/rc-$n"
@@ -57,15 +59,17 @@ exit $rc
 
 
 def submit(cluster, base: Path, name: str, corpus: str, *sbatch_args: str, sleep: float,
-           train_args: tuple[str, ...] = (), script_flags: tuple[str, ...] = (), wrap: bool = False) -> Job:
+           train_args: tuple[str, ...] = (), script_flags: tuple[str, ...] = (), wrap: bool = False,
+           requeued_args: tuple[str, ...] = ()) -> Job:
     """submit-training-simple.sh --distributed on 2 nodes, 1 rank each (test_training.Job, whose `--ntasks-per-node=2`
-    the later option overrides)."""
+    the later option overrides). With `wrap`, each rank runs through a wrapper that logs it and keeps its exit code;
+    `requeued_args` are appended to train.py's arguments in requeued runs only (the last occurrence of a flag wins)."""
     extra: tuple[str, ...] = ()
     ranks = base / f"{name}-ranks"
     if wrap:
         ranks.mkdir()
         wrapper = ranks / "python.sh"
-        wrapper.write_text(WRAPPER.format(py=PY, work=ranks))
+        wrapper.write_text(WRAPPER.format(py=PY, work=ranks, requeued_args=" ".join(map(shlex.quote, requeued_args))))
         wrapper.chmod(0o755)
         extra = (f"--export=ALL,PYTHON={wrapper}",)  # wins over the PYTHON that Job puts in the environment
     job = Job(cluster, base, name, corpus, *ONE_RANK_PER_NODE, *extra, *sbatch_args, sleep=sleep,
@@ -176,11 +180,14 @@ def drive_partition(cluster, base: Path, corpus: str) -> dict:
     requeued job (on the two other nodes of pyr-node[7-9]) has taken the run directory over and committed a checkpoint.
     Then the new incarnation is frozen and the stale rank woken: its collective times out, --jit-checkpoint makes it
     try to save -- it must be fenced (exit 6) and leave the run directory exactly as it was."""
-    # --time=10: the requeued incarnation sits frozen for up to the stale rank's collective timeout; with 5 minutes a
-    # loaded machine let it reach its own USR1 warning, and a third incarnation broke the two-runs accounting below.
+    # The stale rank's 60 s collective timeout has long passed when it wakes. The requeued incarnation sits frozen
+    # while the stale rank wakes, fails and is fenced; on a loaded machine that took over 60 s, so the requeued runs
+    # get a longer timeout of their own: with 60 s their frozen collective timed out too and a third run appeared.
+    # --time=10: the frozen incarnation must not reach its own USR1 warning either.
     # pyr-node[7-9] only: the tiered scenario kills pyr-node[10-11], which must not take this job's ranks with them
     job = submit(cluster, base, "partition", corpus, "--exclude=pyr-node[1-6,10-11]", "--time=10", sleep=0.3, wrap=True,
-                 train_args=("--jit-checkpoint", "--pg-timeout-seconds", "60"))
+                 train_args=("--jit-checkpoint", "--pg-timeout-seconds", "60"),
+                 requeued_args=("--pg-timeout-seconds", "900"))
     job.wait_rows(KILL_AT_ROW, timeout=600)
     nodes = nodes_of(cluster, job)
     cut = nodes[1]
