@@ -19,8 +19,18 @@ from checkpoint.fsio import fsync_dir, make_dirs
 _log = logging.getLogger("pyrecover.metrics")
 
 
+_STARTED_AT: float | None = None  # time.monotonic() of the rank's start, where it is not this process's (warm.py)
+
+
+def started_at(t: float) -> None:
+    global _STARTED_AT
+    _STARTED_AT = t
+
+
 def process_age_s(fallback_start: float) -> float:
     """Seconds since this process started (Linux /proc), so the interpreter's start-up before our first line counts."""
+    if _STARTED_AT is not None:
+        return time.monotonic() - _STARTED_AT
     try:
         start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
         return float(Path("/proc/uptime").read_text().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import json
 import logging
 import math
@@ -44,6 +45,13 @@ if __name__ == "__main__":
     for _stream in (sys.stdout, sys.stderr):
         _stream.reconfigure(line_buffering=True, write_through=False)
 
+    if os.environ.get("PYRECOVER_WARM"):  # a warm standby on this node runs the rest, imports paid (warm.py)
+        import warm
+
+        _code = warm.hand_over(os.environ["PYRECOVER_WARM"])
+        if _code is not None:  # None: no standby listening, a cold start
+            os._exit(_code)
+
 _PARENT_AT_START = os.getppid()  # a torchrun rank's launcher (distributed.follow_launcher), before it could have died
 _T_IMPORTS = time.monotonic()  # the heavy imports start here (the recovery line reports how long a restart took)
 import numpy as np
@@ -61,7 +69,7 @@ from evaluation import EVAL_BATCH, CardMaker, batch_loss, check_prediction, eval
 from flags import (BadInput, apply_resume_flags, build_parser, check_flags, check_numeric_flags,  # noqa: F401 (tests)
                    check_resume_flags, parse_args, RESOLVED_CONFIG, resolved_config)
 from hf import model_config_from_hf, read_hf  # Hugging Face Llama <-> model.py names (one table)
-from metrics import Metrics, device_peak_flops
+from metrics import Metrics, device_peak_flops, started_at
 import trackers
 from model import (PRESETS, MemoryEstimate, ModelConfig, Transformer, estimate_peak_memory, flash_attention_problem,
                    get_config)
@@ -363,9 +371,10 @@ class Run:
 def build_run(args: argparse.Namespace, env: distributed.DistEnv, prepared: Prepared) -> Run:
     estimate = memory_estimate(args, env, prepared.config)  # prepared against the device's memory in preflight
     log.info(f"memory estimate: {estimate.describe()} per rank on {env.device.type}")
-    # Every save takes its state dicts through DCP's state_dict helpers: import them before the memory baseline, so
-    # the module memory they bring is not counted as training memory (they are not needed before the first step).
-    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    # An FSDP model's saves take its state dicts through DCP's state_dict helpers: import them before the memory
+    # baseline, so the module memory they bring is not counted as training memory. A plain model's never import them.
+    if env.distributed and args.parallel == "fsdp":
+        importlib.import_module("torch.distributed.checkpoint.state_dict")
 
     memory = distributed.PeakMemory(env)  # baseline: after imports and data loading
     seed_everything(args.seed)  # identical init on every rank
@@ -755,16 +764,28 @@ def cli() -> int:
 # SLURM it would hold the allocation until the time limit.
 _KEEP_UNTIL_EXIT: list = []
 
-if __name__ == "__main__":
-    code = cli()
+def exit_process(code: int) -> None:
     # os._exit skips multiprocessing's exit handler, which terminates daemonic children: after an error exit DCP's save
     # process (--async-checkpoint process; a normal end has stopped it) would outlive us, then print a traceback when
     # it finds its pipe closed.
     import multiprocessing
 
-    for _child in multiprocessing.active_children():
-        if _child.daemon:
-            _child.terminate()
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.terminate()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def started_as_standby_child(rank_age_s: float) -> None:
+    """This process is a warm standby's child running a rank (warm.py): its launcher is the standby, its imports took
+    no time, and its start is the rank process's, ``rank_age_s`` ago."""
+    global _PARENT_AT_START, _T_IMPORTS, _T_IMPORTED
+    _PARENT_AT_START = os.getppid()
+    _T_IMPORTS = _T_IMPORTED = time.monotonic()
+    started_at(time.monotonic() - rank_age_s)
+
+
+if __name__ == "__main__":
+    exit_process(cli())

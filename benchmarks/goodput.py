@@ -28,6 +28,7 @@ long job: S / (N t0) -> 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import itertools
 import json
@@ -50,6 +51,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from tests.faults.harness import Run  # finds the launcher and every rank by PID: kill_all() is a whole node lost
+from tests.helpers import env_for_tests
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -69,10 +71,15 @@ CONFIGS = {
     # the node-local tier in /dev/shm: the interval below is the local one; the shared tier (--checkpoint-dir, or S3
     # with --shared s3) receives every SHARED_FACTOR-th local step
     "tiered": "--checkpoint-backend concurrent --local-checkpoint-dir {local}",
+    # the same, each start a child of a warm standby (warm.py) that paid the imports before the first start
+    "tiered-warm": "--checkpoint-backend concurrent --local-checkpoint-dir {local}",
 }
+WARM = {"tiered-warm"}
 SHARED_FACTOR = 10
 #: --shared s3: the S3 prefix each job's checkpoints go under (a SeaweedFS server of this run) and its clients' variables
 S3: dict = {"uri": None, "env": {}}
+#: the variables of the configuration now running (a warm standby's socket)
+EXTRA_ENV: dict = {}
 FAMILIES = {"dcp async": tuple(DCP_ASYNC_MODES)}
 PROJECT_MTBF = {"5 min": 300.0, "1 h": 3600.0, "1 day": 86400.0}
 
@@ -184,7 +191,7 @@ def run_job(cmd: list[str], csv_path: Path, kill_at: Iterable[float], limit_s: f
     incarnations: list[Incarnation] = []
     while True:
         launch = time.time()
-        run = Run(cmd, S3["env"])
+        run = Run(cmd, {**S3["env"], **EXTRA_ENV})
         try:
             killed = _wait_or_kill(run, origin + min(next_kill, limit_s), csv_path, launch, next_step)
             end = time.time()
@@ -632,6 +639,24 @@ def start_s3(workdir: Path):
     return proc, sock
 
 
+@contextlib.contextmanager
+def warm_standby(folder: Path):
+    """A warm standby (warm.py) for the configuration's runs: its variables for the ranks, then stopped by its PID."""
+    folder.mkdir(parents=True, exist_ok=True)
+    sock = folder / "warm.sock"
+    proc = subprocess.Popen([PY, str(ROOT / "warm.py"), "serve", str(sock)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env_for_tests(), cwd=ROOT)
+    try:
+        line = proc.stdout.readline()
+        if not line.startswith("warm standby ready"):
+            raise SystemExit(f"error: the warm standby did not start: {line}{proc.stdout.read()}")
+        log(f"  {line.strip()}")
+        yield {"PYRECOVER_WARM": str(sock)}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+
+
 def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:
     def job_dir(name: str) -> Path:
         return workdir / name
@@ -656,49 +681,53 @@ def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:
         return iter(explicit) if explicit is not None else kill_schedule(args.seed, args.mtbf)
 
     for name, flags in args.configs.items():
-        c = res["configs"][name] = {"flags": flags, "status": "ok"}
-        if S3["uri"] and "dcp" not in flags and "--local-checkpoint-dir" not in flags:
-            c["status"] = "not supported on s3: --checkpoint-dir s3:// needs dcp, or a local tier"
-            log(f"{name}: skipped, {c['status']}")
-            continue
-        log(f"{name}: calibration, a save every {args.calib_every} steps, {args.calib_steps} steps")
-        cal, job = calibrate(train_cmd(job_dir(f"{name}-calibration"), args.calib_steps, args.calib_every, flags,
-                                       args.dataset), csv_of(f"{name}-calibration"), args.calib_steps,
-                             args.calib_every, skip, t0, limit_s=1800)
-        if cal is None:
-            usage = re.search(r"^.*error: (unrecognized arguments|argument).*$", job.tail, re.M)
-            c["status"] = f"not supported by this train.py: {usage.group(0)}" if usage else f"calibration {job.outcome}"
-            c["tail"] = job.tail
-            log(f"  skipped: {c['status']}\n{'' if usage else job.tail}")
-            continue
-        delta = cal.blocked_s if args.delta_from == "blocked" else cal.save_cost_s
-        tau_yd, tau, every = young_daly(delta, cal.persist_s, args.mtbf, t0)
-        c.update(calibration=asdict(cal), delta_s=delta, tau_yd_s=tau_yd, tau_s=tau, every=every)
-        log(f"  step {cal.step_s:.3f} s, save cost {cal.save_cost_s:.3f} s, blocked {cal.blocked_s:.3f} s, persist "
-            f"{cal.persist_s:.3f} s -> tau = max(sqrt(2 x {delta:.3f} x {args.mtbf:g}), {cal.persist_s:.2f}) = "
-            f"{tau:.1f} s = every {every} steps")
-        ff_wall = cal.startup_s + cal.finish_s + args.steps * (t0 + cal.save_cost_s / every)
-        log(f"{name}: kill run, {args.steps} steps, a save every {every} steps (failure-free ~{ff_wall:.0f} s)")
-        job = run_job(train_cmd(job_dir(name), args.steps, every, flags, args.dataset), csv_of(name),
-                      () if kill_steps else kill_times(), limit_s=20 * ff_wall + 600, kill_steps=kill_steps)
-        c["incarnations"] = [asdict(i) | {"recovery_s": i.recovery_s} for i in job.incarnations]
-        if job.outcome != "finished":
-            c["status"], c["tail"] = f"kill run {job.outcome}", job.tail
-            log(f"  {c['status']}\n{job.tail}")
-            continue
-        # with no restart measured, R is a fresh start's (it loads no checkpoint)
-        r = c["run"] = account(job, args.steps, t0, cal, every, args.mtbf,
-                               fallback_recovery=cal.startup_s + cal.step_s)
-        c["projections"] = {k: project(t0, cal, every, r["recovery_per_restart_s"], m, delta)
-                           for k, m in PROJECT_MTBF.items()}
-        log(f"  goodput {r['goodput']:.3f} (model {r['model_nominal']:.3f}), wall {r['wall_s']:.1f} s, {r['kills']} "
-            f"kills, lost {sum(r['lost_steps'])} steps (per kill: {r['lost_steps']}, save interval {every}), "
-            f"recovery {r['recovery_s']:.1f} s")
-        if not args.keep:
-            shutil.rmtree(job_dir(name), ignore_errors=True)
-            shutil.rmtree(job_dir(f"{name}-calibration"), ignore_errors=True)
-        for job in (name, f"{name}-calibration"):  # a killed job's local tier (a clean end removes its own)
-            shutil.rmtree(local_dir(job_dir(job)), ignore_errors=True)
+        with contextlib.ExitStack() as stack:
+            EXTRA_ENV.clear()
+            if name in WARM:
+                EXTRA_ENV.update(stack.enter_context(warm_standby(workdir / f"{name}-standby")))
+            c = res["configs"][name] = {"flags": flags, "status": "ok"}
+            if S3["uri"] and "dcp" not in flags and "--local-checkpoint-dir" not in flags:
+                c["status"] = "not supported on s3: --checkpoint-dir s3:// needs dcp, or a local tier"
+                log(f"{name}: skipped, {c['status']}")
+                continue
+            log(f"{name}: calibration, a save every {args.calib_every} steps, {args.calib_steps} steps")
+            cal, job = calibrate(train_cmd(job_dir(f"{name}-calibration"), args.calib_steps, args.calib_every, flags,
+                                           args.dataset), csv_of(f"{name}-calibration"), args.calib_steps,
+                                 args.calib_every, skip, t0, limit_s=1800)
+            if cal is None:
+                usage = re.search(r"^.*error: (unrecognized arguments|argument).*$", job.tail, re.M)
+                c["status"] = f"not supported by this train.py: {usage.group(0)}" if usage else f"calibration {job.outcome}"
+                c["tail"] = job.tail
+                log(f"  skipped: {c['status']}\n{'' if usage else job.tail}")
+                continue
+            delta = cal.blocked_s if args.delta_from == "blocked" else cal.save_cost_s
+            tau_yd, tau, every = young_daly(delta, cal.persist_s, args.mtbf, t0)
+            c.update(calibration=asdict(cal), delta_s=delta, tau_yd_s=tau_yd, tau_s=tau, every=every)
+            log(f"  step {cal.step_s:.3f} s, save cost {cal.save_cost_s:.3f} s, blocked {cal.blocked_s:.3f} s, persist "
+                f"{cal.persist_s:.3f} s -> tau = max(sqrt(2 x {delta:.3f} x {args.mtbf:g}), {cal.persist_s:.2f}) = "
+                f"{tau:.1f} s = every {every} steps")
+            ff_wall = cal.startup_s + cal.finish_s + args.steps * (t0 + cal.save_cost_s / every)
+            log(f"{name}: kill run, {args.steps} steps, a save every {every} steps (failure-free ~{ff_wall:.0f} s)")
+            job = run_job(train_cmd(job_dir(name), args.steps, every, flags, args.dataset), csv_of(name),
+                          () if kill_steps else kill_times(), limit_s=20 * ff_wall + 600, kill_steps=kill_steps)
+            c["incarnations"] = [asdict(i) | {"recovery_s": i.recovery_s} for i in job.incarnations]
+            if job.outcome != "finished":
+                c["status"], c["tail"] = f"kill run {job.outcome}", job.tail
+                log(f"  {c['status']}\n{job.tail}")
+                continue
+            # with no restart measured, R is a fresh start's (it loads no checkpoint)
+            r = c["run"] = account(job, args.steps, t0, cal, every, args.mtbf,
+                                   fallback_recovery=cal.startup_s + cal.step_s)
+            c["projections"] = {k: project(t0, cal, every, r["recovery_per_restart_s"], m, delta)
+                               for k, m in PROJECT_MTBF.items()}
+            log(f"  goodput {r['goodput']:.3f} (model {r['model_nominal']:.3f}), wall {r['wall_s']:.1f} s, {r['kills']} "
+                f"kills, lost {sum(r['lost_steps'])} steps (per kill: {r['lost_steps']}, save interval {every}), "
+                f"recovery {r['recovery_s']:.1f} s")
+            if not args.keep:
+                shutil.rmtree(job_dir(name), ignore_errors=True)
+                shutil.rmtree(job_dir(f"{name}-calibration"), ignore_errors=True)
+            for job in (name, f"{name}-calibration"):  # a killed job's local tier (a clean end removes its own)
+                shutil.rmtree(local_dir(job_dir(job)), ignore_errors=True)
     for fam, members in FAMILIES.items():
         ran = [m for m in members if res["configs"].get(m, {}).get("run")]
         if ran:

@@ -19,7 +19,7 @@ import torch
 from .errors import CheckpointError
 
 # torch.distributed.checkpoint's state_dict helpers (FSDP2, DTensor) are imported where they are used: importing them
-# costs ~0.6 s of every restart, and a plain model's resume does not need them.
+# costs ~1 s of every start, and a plain model (single process, DDP) needs them neither to save nor to resume.
 
 PER_RANK_KEYS = ("rng", "dataloader")
 #: the sections that hold tensors (sharded under FSDP, resharded by DCP, exported, converted); the rest is small
@@ -67,6 +67,8 @@ class ModelState:
         self.sharded = bool(sharded)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        if _is_plain(self.model):  # what DCP's helper returns for it: torch's own state_dict, in fresh containers
+            return dict(self.model.state_dict())
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = not self.sharded
@@ -96,6 +98,9 @@ class OptimizerState:
         self.sharded = bool(sharded)
 
     def state_dict(self) -> dict[str, Any]:
+        named = _by_name(self.model, self.optimizer) if _is_plain(self.model) else None
+        if named is not None:
+            return named
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         full = not self.sharded
@@ -121,7 +126,7 @@ def _loads_full(sharded: bool, model: torch.nn.Module, state_dict: dict[str, Any
 
 def holds_dtensors(model: torch.nn.Module) -> bool:
     """Some parameter is a DTensor (FSDP2): full and sharded state dicts of this model differ."""
-    from torch.distributed.tensor import DTensor  # already imported by torch.distributed at this point: no cost
+    from torch.distributed.tensor import DTensor  # imported with torch._dynamo, which torch.optim imports: no cost
 
     return any(isinstance(p, DTensor) for p in model.parameters())
 
@@ -160,6 +165,22 @@ def _by_position(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved
                 state[i] = saved["state"][fqn]
         groups.append({**saved_group, "params": positions})
         index += len(fqns)
+    return {"state": state, "param_groups": groups}
+
+
+def _by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """A plain model's optimizer state keyed by parameter name, as DCP's ``get_optimizer_state_dict`` returns it (the
+    same keys, order and tensors: tests/test_state_plain.py), without importing DCP. None before the first step, whose
+    missing state DCP's helper creates by a zero-gradient step (then it decides)."""
+    if not optimizer.state:
+        return None
+    names = {id(p): n for n, p in model.named_parameters()}
+    packed = optimizer.state_dict()
+    by_position = [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
+    if None in by_position:
+        return None
+    state = {by_position[i]: dict(v) for i, v in packed["state"].items()}
+    groups = [{**g, "params": [by_position[i] for i in g["params"]]} for g in packed["param_groups"]]
     return {"state": state, "param_groups": groups}
 
 

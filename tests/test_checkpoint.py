@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -12,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PY, ROOT, TINY, check_weights, env_for_tests, kill_run_at_row, loss_rows, run_train, torchrun_cmd
+from helpers import (PY, ROOT, TINY, check_weights, csv_rows, env_for_tests, kill_run_at_row, kill_tree, loss_rows,
+                     run_train, torchrun_cmd)
 
 sys.path.insert(0, str(ROOT))
 from checkpoint import layout  # noqa: E402
@@ -212,3 +215,71 @@ def test_checkpoint_cli_list_verify_inspect(corpus, tmp_path):
     (root / "step-00000008" / "optimizer.pt").write_bytes(b"garbage")
     out = cli("verify", str(root))
     assert out.returncode == 1 and "FAILED" in out.stdout
+
+
+# --- a warm standby (warm.py) ------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def standby(folder: Path, env: dict | None = None):
+    """`python warm.py serve` on a socket in ``folder``, ready when it says so; stopped by its PID at the end."""
+    sock = folder / "warm.sock"
+    proc = subprocess.Popen([PY, str(ROOT / "warm.py"), "serve", str(sock)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env_for_tests(env), cwd=ROOT)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("warm standby ready"), line + proc.stdout.read()
+        yield proc, {"PYRECOVER_WARM": str(sock)}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc)
+    assert not sock.exists()  # the standby removes its socket
+
+
+def standby_children(proc: subprocess.Popen) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+
+
+def test_sigkill_then_resume_through_a_warm_standby_is_bit_exact(corpus, tmp_path, reference):
+    """Both incarnations of 2 ranks run as children of one warm standby; the kill of the launcher and its ranks ends
+    the standby's children too, and the resume is bitwise the uninterrupted run."""
+    args = _args(corpus, tmp_path)
+    with standby(tmp_path) as (server, env):
+        kill_run_at_row(_cmd(2, args), tmp_path / "default/loss.csv", 9, env=env_for_tests(env))
+        deadline = time.monotonic() + 30
+        while standby_children(server):  # the ranks' stand-ins died: their children are SIGKILLed
+            assert time.monotonic() < deadline, "the standby's children outlived their ranks"
+            time.sleep(0.05)
+        proc = _run(2, args + ["--resume-from-checkpoint", "latest"], env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        recovery = re.search(r"recovery: .*imports (\d+\.\d+)s", proc.stdout)
+        assert recovery and float(recovery.group(1)) < 0.05, proc.stdout[-3000:]  # the imports were paid before
+        assert "warm standby" not in proc.stderr  # nothing declined
+    _assert_same_as_reference(reference[2], tmp_path / "default")
+
+
+def test_a_warm_standby_forwards_signals_and_declines_what_it_cannot_run(corpus, tmp_path):
+    """SIGTERM to the rank reaches the standby's child: it saves and stops (exit 4). A standby whose import-time
+    environment differs (OMP_NUM_THREADS) declines with one line, and the rank starts cold."""
+    args = _args(corpus, tmp_path) + ["--checkpoint-frequency", "1000"]
+    with standby(tmp_path) as (_, env):
+        run = subprocess.Popen(_cmd(1, args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=env_for_tests(env), cwd=ROOT)
+        deadline = time.monotonic() + 120
+        while csv_rows(tmp_path / "default/loss.csv") < 3:
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+            time.sleep(0.02)
+        run.send_signal(signal.SIGTERM)
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 4, out[-2000:] + err[-2000:]
+        assert re.search(r"checkpoint step \d+ committed", out), out[-2000:]
+    no_omp = {k: v for k, v in env_for_tests().items() if k != "OMP_NUM_THREADS"}
+    with standby(tmp_path, {"OMP_NUM_THREADS": "1"}) as (_, env):
+        proc = subprocess.run(_cmd(1, _args(corpus, tmp_path / "cold") + ["--training-steps", "2"]),
+                              capture_output=True, text=True, env=no_omp | env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    declined = [ln for ln in proc.stderr.splitlines() if "warm standby" in ln]
+    assert declined == [f"warm standby {env['PYRECOVER_WARM']} not used (OMP_NUM_THREADS is set in the standby but "
+                        "not in the rank): a cold start"], proc.stderr[-2000:]
