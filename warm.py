@@ -19,6 +19,7 @@ This module imports nothing heavy at the top: the rank side runs before train.py
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -260,6 +261,28 @@ def _is_socket(path: str) -> bool:
         return stat.S_ISSOCK(os.lstat(path).st_mode)
     except FileNotFoundError:
         return False
+
+
+@contextlib.contextmanager
+def running(path: str, env: dict | None = None):
+    """A standby serving at ``path`` while the block runs (for launcher scripts, the benchmarks and the tests): yields
+    its process once it is ready, and stops it (SIGTERM, by its PID) at the end."""
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        if not line.startswith("warm standby ready"):
+            raise RuntimeError(f"the warm standby did not start: {line}{proc.stdout.read()}")
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def main(argv: list[str]) -> int:

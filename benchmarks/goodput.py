@@ -52,6 +52,7 @@ from typing import Iterable, Iterator
 
 from tests.faults.harness import Run  # finds the launcher and every rank by PID: kill_all() is a whole node lost
 from tests.helpers import env_for_tests
+import warm
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -641,20 +642,12 @@ def start_s3(workdir: Path):
 
 @contextlib.contextmanager
 def warm_standby(folder: Path):
-    """A warm standby (warm.py) for the configuration's runs: its variables for the ranks, then stopped by its PID."""
+    """A warm standby (warm.py) for the configuration's runs: its variables for the ranks."""
     folder.mkdir(parents=True, exist_ok=True)
     sock = folder / "warm.sock"
-    proc = subprocess.Popen([PY, str(ROOT / "warm.py"), "serve", str(sock)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env_for_tests(), cwd=ROOT)
-    try:
-        line = proc.stdout.readline()
-        if not line.startswith("warm standby ready"):
-            raise SystemExit(f"error: the warm standby did not start: {line}{proc.stdout.read()}")
-        log(f"  {line.strip()}")
+    with warm.running(str(sock), env=env_for_tests()) as proc:
+        log(f"  warm standby ready (pid {proc.pid})")
         yield {"PYRECOVER_WARM": str(sock)}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=120)
 
 
 def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:

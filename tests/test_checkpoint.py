@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (PY, ROOT, TINY, check_weights, csv_rows, env_for_tests, kill_run_at_row, kill_tree, loss_rows,
-                     run_train, torchrun_cmd)
+from helpers import (PY, ROOT, TINY, check_weights, csv_rows, env_for_tests, kill_run_at_row, loss_rows, run_train,
+                     torchrun_cmd)
 
 sys.path.insert(0, str(ROOT))
 from checkpoint import layout  # noqa: E402
+import warm  # noqa: E402
 
 STEPS = 24
 FREQ = 4
@@ -221,20 +222,10 @@ def test_checkpoint_cli_list_verify_inspect(corpus, tmp_path):
 
 @contextlib.contextmanager
 def standby(folder: Path, env: dict | None = None):
-    """`python warm.py serve` on a socket in ``folder``, ready when it says so; stopped by its PID at the end."""
+    """`python warm.py serve` on a socket in ``folder``: (its process, the ranks' variables)."""
     sock = folder / "warm.sock"
-    proc = subprocess.Popen([PY, str(ROOT / "warm.py"), "serve", str(sock)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env_for_tests(env), cwd=ROOT)
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("warm standby ready"), line + proc.stdout.read()
+    with warm.running(str(sock), env=env_for_tests(env)) as proc:
         yield proc, {"PYRECOVER_WARM": str(sock)}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc)
     assert not sock.exists()  # the standby removes its socket
 
 
