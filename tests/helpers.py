@@ -193,3 +193,27 @@ class LogLines(list):
     def detach_all(cls) -> None:
         while cls.attached:
             logging.getLogger("checkpoint").removeHandler(cls.attached.pop()._handler)
+
+
+def assert_same_tree(a, b, path: str = "state", *, exact_containers: bool = False) -> None:
+    """Two nested state dicts hold the same values: tensors of the same dtype, shape and bytes, equal plain values.
+    ``exact_containers``: the same container types and dict key order too (the order decides a saved file's bytes)."""
+    import torch
+
+    if exact_containers:
+        assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert a.flatten().view(torch.uint8).tolist() == b.flatten().view(torch.uint8).tolist(), path
+    elif isinstance(a, dict):
+        keys_a, keys_b = (list(a), list(b)) if exact_containers else (set(a), set(b))
+        assert keys_a == keys_b, f"{path}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"
+        for k in a:
+            assert_same_tree(a[k], b[k], f"{path}.{k}", exact_containers=exact_containers)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tree(x, y, f"{path}[{i}]", exact_containers=exact_containers)
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"

@@ -13,27 +13,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import PY, ROOT  # noqa: E402
+from helpers import PY, ROOT, assert_same_tree  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 from checkpoint.state import ModelState, OptimizerState  # noqa: E402
 from model import Transformer, get_config  # noqa: E402
-
-
-def same(a, b, where="") -> None:
-    assert type(a) is type(b), (where, type(a), type(b))
-    if isinstance(a, dict):
-        assert list(a) == list(b), where  # key order too: it decides the order of the bytes in the file
-        for k in a:
-            same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            same(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
-    else:
-        assert a == b, where
 
 
 def trained(tie: bool, groups: bool):
@@ -61,8 +45,10 @@ def test_plain_state_dicts_equal_dcps(tie, groups):
 
     model, opt = trained(tie, groups)
     full = StateDictOptions(full_state_dict=True, cpu_offload=False)
-    same(ModelState(model).state_dict(), get_model_state_dict(model, options=full), "model")
-    same(OptimizerState(model, opt).state_dict(), get_optimizer_state_dict(model, opt, options=full), "optimizer")
+    assert_same_tree(ModelState(model).state_dict(), get_model_state_dict(model, options=full), "model",
+                     exact_containers=True)
+    assert_same_tree(OptimizerState(model, opt).state_dict(), get_optimizer_state_dict(model, opt, options=full),
+                     "optimizer", exact_containers=True)
 
 
 def test_a_fresh_optimizer_still_goes_through_dcp():

@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ (helpers)
+from helpers import assert_same_tree  # noqa: E402
 
 pytestmark = pytest.mark.s3
 
@@ -54,25 +59,6 @@ def _app_state(model, optim, step: int):
             "rng": {"cpu": torch.get_rng_state()}}
 
 
-def _assert_bitwise_equal(a, b, path="state"):
-    import torch
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), path
-        assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.uint8 else a, b), path
-        assert a.flatten().view(torch.uint8).tolist() == b.flatten().view(torch.uint8).tolist(), path
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"{path}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"
-        for k in a:
-            _assert_bitwise_equal(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_bitwise_equal(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
-
-
 def _roundtrip(s3c, s3_env, prefix: str, save_fn):
     """Train one step, save with save_fn(state, writer), load into a fresh model/optimizer, compare."""
     import torch.distributed.checkpoint as dcp
@@ -95,10 +81,10 @@ def _roundtrip(s3c, s3_env, prefix: str, save_fn):
     dcp.load(target, storage_reader=s3c.dcp.S3StorageReader(s3_env.region, uri))
     set_state_dict(model2, optim2, model_state_dict=target["model"], optim_state_dict=target["optimizer"])
 
-    _assert_bitwise_equal(reference["model"], model2.state_dict(), "model")
-    _assert_bitwise_equal(reference["optimizer"], get_state_dict(model2, optim2)[1], "optimizer")
-    _assert_bitwise_equal(saved["train_state"], target["train_state"], "train_state")
-    _assert_bitwise_equal(saved["rng"], target["rng"], "rng")
+    assert_same_tree(reference["model"], model2.state_dict(), "model")
+    assert_same_tree(reference["optimizer"], get_state_dict(model2, optim2)[1], "optimizer")
+    assert_same_tree(saved["train_state"], target["train_state"], "train_state")
+    assert_same_tree(saved["rng"], target["rng"], "rng")
     return s3_env.list_keys(prefix.strip("/") + "/")
 
 
@@ -412,4 +398,4 @@ def test_dcp_load_everything_without_template(s3c, s3_env):
     out, planner = {}, _EmptyStateDictLoadPlanner()
     dcp.load(out, storage_reader=s3c.dcp.S3StorageReader(s3_env.region, uri), planner=planner, no_dist=True)
     assert out == {}
-    _assert_bitwise_equal(sd, planner.original_state_dict)
+    assert_same_tree(sd, planner.original_state_dict)
