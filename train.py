@@ -371,8 +371,9 @@ class Run:
 def build_run(args: argparse.Namespace, env: distributed.DistEnv, prepared: Prepared) -> Run:
     estimate = memory_estimate(args, env, prepared.config)  # prepared against the device's memory in preflight
     log.info(f"memory estimate: {estimate.describe()} per rank on {env.device.type}")
-    # An FSDP model's saves take its state dicts through DCP's state_dict helpers: import them before the memory
-    # baseline, so the module memory they bring is not counted as training memory. A plain model's never import them.
+    # Modules imported later bring memory that is not training memory: import them before the memory baseline. The
+    # first optimizer imports torch._dynamo; an FSDP model's saves use DCP's state_dict helpers (a plain model's not).
+    importlib.import_module("torch._dynamo")
     if env.distributed and args.parallel == "fsdp":
         importlib.import_module("torch.distributed.checkpoint.state_dict")
 

@@ -47,9 +47,7 @@ def hand_over(path: str) -> int | None:
     """Run this rank in the standby listening at ``path``: its exit code, or None for a cold start (no standby, or it
     declined: one line says why)."""
     if "TORCHELASTIC_RUN_ID" in os.environ:  # die with torchrun, as distributed.follow_launcher ties a cold rank
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        _die_with_parent(os.getppid())
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         conn.connect(path)
@@ -185,6 +183,7 @@ def _accept(listener, children, decline, env_threads, torch, train) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
+    request["standby_pid"] = os.getpid()
     pid = os.fork()
     if pid == 0:
         _run_child(request, fds, [listener, conn, *children.values()], env_threads, torch, train)
@@ -201,6 +200,7 @@ def _run_child(request: dict, fds: list[int], sockets: list, env_threads, torch,
     try:
         for s in sockets:
             s.close()
+        _die_with_parent(request.get("standby_pid", os.getppid()))
         os.setsid()  # signals for the standby (a terminal's Ctrl-C) are not this rank's
         for target, fd in zip((0, 1, 2), fds):
             os.dup2(fd, target)
@@ -226,6 +226,16 @@ def _run_child(request: dict, fds: list[int], sockets: list, env_threads, torch,
         traceback.print_exc()
     finally:
         os._exit(code if isinstance(code, int) else 1)
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL from the kernel when the standby dies: nobody would then tell the rank process how this child ended,
+    nor kill it when the rank process dies."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the signal was set
+        os._exit(137)
 
 
 def _reap(children: dict) -> None:

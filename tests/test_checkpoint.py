@@ -274,3 +274,34 @@ def test_a_warm_standby_forwards_signals_and_declines_what_it_cannot_run(corpus,
     declined = [ln for ln in proc.stderr.splitlines() if "warm standby" in ln]
     assert declined == [f"warm standby {env['PYRECOVER_WARM']} not used (OMP_NUM_THREADS is set in the standby but "
                         "not in the rank): a cold start"], proc.stderr[-2000:]
+
+
+def test_a_killed_standby_takes_its_children_with_it(corpus, tmp_path):
+    """SIGKILL of the standby mid-run: its child (the rank's training) dies with it, and the rank process says so in
+    one line and exits 1; no orphan trains on."""
+    csv = tmp_path / "default/loss.csv"
+    with standby(tmp_path) as (server, env):
+        run = subprocess.Popen(_cmd(1, _args(corpus, tmp_path) + ["--training-steps", "2000"]), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env_for_tests(env), cwd=ROOT)
+        deadline = time.monotonic() + 120
+        while csv_rows(csv) < 3:
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+            time.sleep(0.02)
+        child = standby_children(server)
+        server.kill()
+        server.wait()
+        out, err = run.communicate(timeout=60)
+        Path(env["PYRECOVER_WARM"]).unlink()  # a killed standby leaves its socket (the next one replaces it)
+    assert run.returncode == 1, err[-2000:]
+    assert f"error: the warm standby {env['PYRECOVER_WARM']} ended while running this rank" in err, err[-2000:]
+
+    def alive(pid: int) -> bool:  # a zombie waiting for init to reap it is not running
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in child):
+        assert time.monotonic() < deadline, f"the standby's child {child} outlived it"
+        time.sleep(0.05)
