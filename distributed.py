@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import signal
 import sys
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from checkpoint import slurm
 from checkpoint.backends.base import RankInfo
+from warm import die_with_parent  # stdlib only: the rank side of a warm standby runs before torch is imported
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -42,9 +42,6 @@ class DistEnv(RankInfo):
         return self.backend is not None
 
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
 def follow_launcher(parent: int, environ=os.environ) -> None:
     """A rank started by torchrun (its elastic agent, the parent process, sets TORCHELASTIC_RUN_ID) is SIGKILLed by the
     kernel when that parent dies (Linux PR_SET_PDEATHSIG), so a killed launcher leaves no rank training on in its own
@@ -56,13 +53,10 @@ def follow_launcher(parent: int, environ=os.environ) -> None:
     slurmstepd, which ends the tasks itself) or for one process started by hand."""
     if "TORCHELASTIC_RUN_ID" not in environ or not sys.platform.startswith("linux"):
         return
-    import ctypes
-
-    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-        print(f"warning: this rank cannot be tied to its torchrun (prctl: {os.strerror(ctypes.get_errno())}); if "
-              "torchrun is killed, end the rank yourself", file=sys.stderr, flush=True)
-    elif os.getppid() != parent:  # the launcher died before the signal was set: end as if it had fired
-        os.kill(os.getpid(), signal.SIGKILL)
+    refused = die_with_parent(parent)
+    if refused:
+        print(f"warning: this rank cannot be tied to its torchrun (prctl: {refused}); if torchrun is killed, end the "
+              "rank yourself", file=sys.stderr, flush=True)
 
 
 def _launcher_env() -> tuple[int, int, int, str] | None:

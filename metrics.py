@@ -15,6 +15,7 @@ import torch
 from checkpoint import knobs
 from checkpoint.logs import EVERY_RANK
 from checkpoint.fsio import fsync_dir, make_dirs
+from warm import process_age
 
 _log = logging.getLogger("pyrecover.metrics")
 
@@ -28,14 +29,12 @@ def started_at(t: float) -> None:
 
 
 def process_age_s(fallback_start: float) -> float:
-    """Seconds since this process started (Linux /proc), so the interpreter's start-up before our first line counts."""
+    """Seconds since this rank started: this process's age (warm.process_age), or since the rank process handed itself
+    to a warm standby's child; without /proc, since ``fallback_start``."""
     if _STARTED_AT is not None:
         return time.monotonic() - _STARTED_AT
-    try:
-        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        return float(Path("/proc/uptime").read_text().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.monotonic() - fallback_start
+    age = process_age()
+    return age if age is not None else time.monotonic() - fallback_start
 
 
 class LossCSV:

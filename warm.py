@@ -7,14 +7,15 @@ itself over when a standby is listening there: its arguments, environment, worki
 to the standby, which forks a child that runs train.py exactly as the rank would have (the same code, the same flags;
 nothing of a previous run is reused but the imported modules). Without a standby the rank starts cold, as always.
 
-    python warm.py serve /tmp/pyrecover-warm.sock &       # once per node, before the run (submit script: --warm)
+    python warm.py serve /tmp/pyrecover-warm.sock &       # once per node, before the run
     PYRECOVER_WARM=/tmp/pyrecover-warm.sock torchrun ... train.py ...
 
 The rank process stays as the child's stand-in: it forwards the signals it gets (SLURM's warning, SIGTERM) and exits
 with the child's exit code. When the rank process dies (SIGKILL, or its torchrun died), the standby SIGKILLs the
 child, as the kernel would have killed the rank itself. The standby keeps serving: one per node serves every restart.
 
-This module imports nothing heavy at the top: the rank side runs before train.py's imports.
+This module imports nothing heavy at the top: the rank side runs before train.py's imports. For the same reason it
+holds the two process helpers that train.py's modules share with it (``process_age``, ``die_with_parent``).
 """
 
 from __future__ import annotations
@@ -32,13 +33,27 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, sign
 _REQUEST_MAX = 1 << 20
 
 
-def _age() -> float:
-    """Seconds since this process started (/proc), so the rank's own start-up is counted in its recovery line."""
+def process_age() -> float | None:
+    """Seconds since this process started (Linux /proc), so the interpreter's start-up before our first line counts;
+    None where /proc cannot tell."""
     try:
-        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
-        return float(open("/proc/uptime").read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+            return float(uptime.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
-        return 0.0
+        return None
+
+
+def die_with_parent(parent: int) -> str | None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux PR_SET_PDEATHSIG); ``parent``: the parent's pid
+    as read earlier -- if it is gone already, this process ends now. Returns why the kernel refused, else None."""
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
+        return os.strerror(ctypes.get_errno())
+    if os.getppid() != parent:  # it died before the signal was set: end as if it had fired
+        os.kill(os.getpid(), signal.SIGKILL)
+    return None
 
 
 # --- the rank's side -------------------------------------------------------------------------------------------------
@@ -47,14 +62,14 @@ def hand_over(path: str) -> int | None:
     """Run this rank in the standby listening at ``path``: its exit code, or None for a cold start (no standby, or it
     declined: one line says why)."""
     if "TORCHELASTIC_RUN_ID" in os.environ:  # die with torchrun, as distributed.follow_launcher ties a cold rank
-        _die_with_parent(os.getppid())
+        die_with_parent(os.getppid())
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         conn.connect(path)
     except OSError:
         return None  # nobody listening: a cold start, the normal case without a standby
     request = {"argv": sys.argv, "env": dict(os.environ), "cwd": os.getcwd(), "exe": os.path.realpath(sys.executable),
-               "age": _age()}
+               "age": process_age() or 0.0}
     try:
         socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
         reply = json.loads(conn.recv(_REQUEST_MAX) or b'{"decline": "it closed the connection"}')
@@ -142,7 +157,7 @@ def serve(path: str) -> int:
                 ready = []
             for conn in ready:
                 if conn is listener:
-                    _accept(listener, children, decline, env_threads, torch, train)
+                    _accept(listener, children, decline, torch, train)
                     continue
                 try:
                     gone = conn.recv(1) == b""
@@ -165,7 +180,7 @@ def serve(path: str) -> int:
     return 0
 
 
-def _accept(listener, children, decline, env_threads, torch, train) -> None:
+def _accept(listener, children, decline, torch, train) -> None:
     conn, _ = listener.accept()
     try:
         message, fds, _, _ = socket.recv_fds(conn, _REQUEST_MAX, 3)
@@ -186,21 +201,21 @@ def _accept(listener, children, decline, env_threads, torch, train) -> None:
     request["standby_pid"] = os.getpid()
     pid = os.fork()
     if pid == 0:
-        _run_child(request, fds, [listener, conn, *children.values()], env_threads, torch, train)
+        _run_child(request, fds, [listener, conn, *children.values()], torch, train)
     for fd in fds:
         os.close(fd)
     children[pid] = conn
     conn.send(json.dumps({"pid": pid}).encode())
 
 
-def _run_child(request: dict, fds: list[int], sockets: list, env_threads, torch, train) -> None:
+def _run_child(request: dict, fds: list[int], sockets: list, torch, train) -> None:
     """In the forked child: become the rank (its streams, directory, environment, arguments), run train.py's CLI and
     exit with its code. Never returns."""
     code = 1
     try:
         for s in sockets:
             s.close()
-        _die_with_parent(request.get("standby_pid", os.getppid()))
+        die_with_parent(request["standby_pid"])  # the standby gone: nobody would report or end this child
         os.setsid()  # signals for the standby (a terminal's Ctrl-C) are not this rank's
         for target, fd in zip((0, 1, 2), fds):
             os.dup2(fd, target)
@@ -226,16 +241,6 @@ def _run_child(request: dict, fds: list[int], sockets: list, env_threads, torch,
         traceback.print_exc()
     finally:
         os._exit(code if isinstance(code, int) else 1)
-
-
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL from the kernel when the standby dies: nobody would then tell the rank process how this child ended,
-    nor kill it when the rank process dies."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # it died before the signal was set
-        os._exit(137)
 
 
 def _reap(children: dict) -> None:

@@ -132,7 +132,8 @@ def _process_tree(pid: int) -> list[int]:
     return tree
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """The process runs: a zombie waiting to be reaped does not."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
@@ -150,7 +151,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
             pass
     proc.wait()
     deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in tree):
+    while any(alive(pid) for pid in tree):
         assert time.monotonic() < deadline, "ranks survived SIGKILL"
         time.sleep(0.01)
 

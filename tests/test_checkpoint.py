@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (PY, ROOT, TINY, check_weights, csv_rows, env_for_tests, kill_run_at_row, loss_rows, run_train,
-                     torchrun_cmd)
+from helpers import (PY, ROOT, TINY, alive, check_weights, csv_rows, env_for_tests, kill_run_at_row, loss_rows,
+                     run_train, torchrun_cmd)
 
 sys.path.insert(0, str(ROOT))
 from checkpoint import layout  # noqa: E402
@@ -218,7 +218,7 @@ def test_checkpoint_cli_list_verify_inspect(corpus, tmp_path):
     assert out.returncode == 1 and "FAILED" in out.stdout
 
 
-# --- a warm standby (warm.py) ------------------------------------------------------------------------------------------
+# --- a warm standby (warm.py) -----------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
 def standby(folder: Path, env: dict | None = None):
@@ -295,13 +295,7 @@ def test_a_killed_standby_takes_its_children_with_it(corpus, tmp_path):
     assert run.returncode == 1, err[-2000:]
     assert f"error: the warm standby {env['PYRECOVER_WARM']} ended while running this rank" in err, err[-2000:]
 
-    def alive(pid: int) -> bool:  # a zombie waiting for init to reap it is not running
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
-
     deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in child):
+    while any(alive(pid) for pid in child):  # a zombie waiting for init is not running
         assert time.monotonic() < deadline, f"the standby's child {child} outlived it"
         time.sleep(0.05)

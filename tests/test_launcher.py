@@ -10,7 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from helpers import ROOT, TINY, _alive, _process_tree, csv_rows, env_for_tests, run_torchrun, torchrun_cmd
+from helpers import ROOT, TINY, alive, _process_tree, csv_rows, env_for_tests, run_torchrun, torchrun_cmd
 
 
 def _start_time(pid: int) -> str | None:
@@ -39,7 +39,7 @@ def test_ranks_end_with_their_killed_torchrun_and_the_restart_resumes(tmp_path, 
         os.kill(launcher.pid, signal.SIGKILL)  # the launcher alone, as an OOM kill or `kill -9 <torchrun>` does
         launcher.wait()
         gone_by = time.monotonic() + 5
-        while any(_alive(pid) and _start_time(pid) == t for pid, t in started.items()):
+        while any(alive(pid) and _start_time(pid) == t for pid, t in started.items()):
             assert time.monotonic() < gone_by, f"ranks outlived their torchrun: {sorted(started)}"
             time.sleep(0.02)
         trained = csv_rows(csv)
@@ -51,7 +51,7 @@ def test_ranks_end_with_their_killed_torchrun_and_the_restart_resumes(tmp_path, 
         assert csv_rows(csv) == 30  # every step exactly once
     finally:
         for pid, t in started.items():  # the ranks are in sessions of their own: each by its pid, if still the same
-            if _alive(pid) and _start_time(pid) == t:
+            if alive(pid) and _start_time(pid) == t:
                 os.kill(pid, signal.SIGKILL)
         if launcher.poll() is None:
             launcher.kill()
