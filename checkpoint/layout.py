@@ -527,7 +527,8 @@ class Retention:
 
 def apply_retention(root: Path, keep: int, *, keep_every: int = 0, keep_best: int = 0,
                     in_flight: set[int] = frozenset(), guard: Callable[[str], None] = no_guard,
-                    own_staging: str = "", label: str = "retention", quiet: bool = False) -> list[int]:
+                    own_staging: str = "", label: str = "retention", quiet: bool = False,
+                    remove: Callable[[Path, str], None] | None = None) -> list[int]:
     """Delete committed checkpoints beyond the newest ``keep`` (by numeric step). Returns the deleted steps.
 
     Never deletes: the newest committed checkpoint, anything in flight, milestones (step % keep_every == 0), the
@@ -536,7 +537,8 @@ def apply_retention(root: Path, keep: int, *, keep_every: int = 0, keep_best: in
     writes in place). Also sweeps staging folders of other incarnations (``own_staging`` is ours): the lease makes
     them dead, since they can never be published. ``guard(what)`` raises if this incarnation is fenced. Called only
     after a new checkpoint has committed. ``label`` begins each log line (the mirror's retention says so); ``quiet``:
-    no line per deletion (the local tier's, at every save).
+    no line per deletion (the local tier's, at every save). ``remove``: how a step folder goes (default
+    ``remove_step_dir``; the local tier keeps its payload files to overwrite, tier.Spares).
     """
     if keep <= 0:
         writing(root).sweep(root, own_staging, guard)
@@ -556,7 +558,7 @@ def apply_retention(root: Path, keep: int, *, keep_every: int = 0, keep_best: in
         guard(f"delete {info.path.name}")
         fault_point("during_retention_delete", info.path)
         try:
-            remove_step_dir(info.path, "retention keeps it: move them out to let it go")
+            (remove or remove_step_dir)(info.path, "retention keeps it: move them out to let it go")
         except CheckpointError as e:
             if str(info.path) not in _kept_foreign:  # once per folder and process: a save every N steps repeats it
                 _kept_foreign.add(str(info.path))

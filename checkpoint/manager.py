@@ -83,6 +83,8 @@ class CheckpointManager:
             mirror.guard = self._guard
         self.tier = tier  # --local-checkpoint-dir: every save lands there first; some are drained here (tier.py)
         self._drainer = Drainer(tier, self._land) if tier is not None else None
+        if tier is not None:  # every save lands in the local tier: overwrite its retired files there
+            backend.spares = tier.spares
         self._fenced_logged = False
         self.in_flight: deque[SaveHandle] = deque()
         self.history: list[SaveRecord] = []

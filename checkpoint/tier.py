@@ -8,6 +8,7 @@ step every rank can load.
                                 verified before a load): rank-00003.pt, and on the node's first rank (its *leader*) the
                                 shared pieces too (model.pt, optimizer.pt, ...), which every rank of the node loads
         .staging-<run id>/      saves being written (published by rename, as in the shared tier)
+        .spare/                 payload files of retired steps, to be overwritten by the next saves (Spares)
 
 Each rank writes and deletes only under its own ``rank-N`` folder; a rank reads only its own and its node leader's:
 no rank ever reads another node's folder. Whether a step is complete in the local tier is agreed by a collective at
@@ -30,6 +31,7 @@ import queue
 import shutil
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -66,6 +68,7 @@ class LocalTier:
         self.identity = {**identity, "rank": rank.rank, "leader": leader, "world_size": rank.world_size}
         self._writing = layout.writing(self.root)
         self._checked_space = False
+        self.spares = Spares(self.root / SPARE_DIR)
 
     @property
     def writes_shared(self) -> bool:
@@ -89,7 +92,8 @@ class LocalTier:
         nbytes = part_bytes()
         make_dirs(self.root)
         st = os.statvfs(self.root)
-        free = st.f_bavail * st.f_frsize + sum(_tree_bytes(i.path) for i in layout.list_checkpoints(self.root))
+        free = st.f_bavail * st.f_frsize + sum(_tree_bytes(p) for p in
+                                               [i.path for i in layout.list_checkpoints(self.root)] + [self.spares.dir])
         need = (self.keep + 1) * nbytes
         if need > free:
             raise CheckpointError(
@@ -125,7 +129,15 @@ class LocalTier:
     def retain(self, protected: set[int], guard: Callable[[str], None], own_staging: str) -> None:
         """Keep the newest ``keep`` committed local steps and ``protected`` (not drained yet)."""
         layout.apply_retention(self.root, self.keep, in_flight=protected, guard=guard, own_staging=own_staging,
-                               label=f"local tier {self.root}", quiet=True)
+                               label=f"local tier {self.root}", quiet=True, remove=self._retire)
+
+    def _retire(self, step_dir: Path, why: str) -> None:
+        """A step retention lets go: un-committed first (as ``layout.remove_step_dir``), its large payload files kept
+        as spares, the rest removed."""
+        storage.check_owned(step_dir, layout.OWN_FILE_RE.match, why)
+        (step_dir / layout.COMMITTED).unlink(missing_ok=True)
+        self.spares.give(step_dir)
+        shutil.rmtree(step_dir, ignore_errors=True)
 
     # --- restart -------------------------------------------------------------------------------------------------
     def loadable(self) -> dict[int, layout.CheckpointInfo]:
@@ -191,6 +203,62 @@ class LocalTier:
                 _log.info(f"local tier: removed {info.path}: {why}", extra=EVERY_RANK)
         except (OSError, CheckpointError) as e:
             _log.warning(f"warning: local tier: cannot remove {info.path}: {e}")
+
+
+SPARE_DIR = ".spare"
+
+
+class Spares:
+    """Payload files of retired local steps, which the next saves overwrite in place instead of creating new files
+    (fsio.atomic_write's ``reuse``). On tmpfs a new file's pages are allocated and zeroed as it is written, and freed
+    when it is deleted: measured, 150-170 ms for a 224 MiB file against 43 ms to overwrite one, on 2 busy cores the
+    largest CPU cost of a local save. A spare is a name in this folder only: no step refers to it, and what a crash
+    leaves there is overwritten or removed like any spare. Thread-safe: the writer threads take, the commit thread
+    gives."""
+
+    MIN_BYTES = 1 * MiB  # smaller files gain nothing worth a rename
+    LIMIT = 16  # files; more go (a save takes what one retirement gives, so the folder stays small)
+
+    def __init__(self, folder: Path):
+        self.dir = folder
+        self._lock = threading.Lock()
+        self._handed: set[str] = set()  # taken, about to be renamed away by the writer
+
+    def give(self, step_dir: Path) -> None:
+        with self._lock:
+            try:
+                make_dirs(self.dir)
+                for f in sorted(step_dir.iterdir()):
+                    if f.suffix == ".pt" and not f.is_symlink() and f.is_file() and f.stat().st_size >= self.MIN_BYTES:
+                        os.rename(f, self.dir / f"{uuid.uuid4().hex[:12]}.spare")
+                spares = self._list()
+                for _, f in spares[:-self.LIMIT] if len(spares) > self.LIMIT else ():
+                    f.unlink(missing_ok=True)
+            except OSError as e:
+                _log.debug(f"local tier: keeping no spares ({e})")
+
+    def take(self, nbytes: int) -> Path | None:
+        """A spare to overwrite with ``nbytes``: the smallest that holds them, else the largest (None: none)."""
+        with self._lock:
+            listed = self._list()
+            self._handed &= {f.name for _, f in listed}
+            spares = [(size, f) for size, f in listed if f.name not in self._handed]
+            if not spares:
+                return None
+            fitting = [(size, f) for size, f in spares if size >= nbytes]
+            _, chosen = min(fitting) if fitting else spares[-1]
+            self._handed.add(chosen.name)
+            return chosen
+
+    def _list(self) -> list[tuple[int, Path]]:
+        out = []
+        try:
+            for entry in os.scandir(self.dir):
+                if entry.name.endswith(".spare") and entry.is_file(follow_symlinks=False):
+                    out.append((entry.stat(follow_symlinks=False).st_size, Path(entry.path)))
+        except FileNotFoundError:
+            pass
+        return sorted(out)
 
 
 def part_bytes(state: CheckpointState, shared: bool) -> int:

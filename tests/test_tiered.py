@@ -59,7 +59,8 @@ def test_whole_job_kills_resume_from_the_local_tier_then_a_swapped_node_from_the
     first, second = rng.randint(5, 17), rng.randint(23, 28)
     print(f"seed {seed}: kills after rows {first} and {second}")
     ckpt, local = tmp_path / "ckpt", tmp_path / "local"
-    args, env = _args(corpus, ckpt, local), env_for_tests(TWO_NODES)
+    # concurrent: its saves overwrite the retired local steps' files (tier.Spares), so reused files are in the run
+    args, env = _args(corpus, ckpt, local) + ["--checkpoint-backend", "concurrent"], env_for_tests(TWO_NODES)
     csv = ckpt / "run" / "loss.csv"
 
     kill_run_at_row(torchrun_cmd(2, args), csv, first, env=env)
@@ -139,3 +140,43 @@ def test_a_local_tier_too_small_is_one_line(tmp_path, corpus):
     assert "Traceback" not in proc.stderr and "loss" not in proc.stdout  # before the first step
     line = proc.stderr.strip().splitlines()[-1]
     assert "MiB free, but this rank's part of a checkpoint is" in line and "--local-checkpoint-keep" in line, line
+
+
+def test_a_retired_local_step_gives_its_files_to_the_next_save(tmp_path):
+    """Retention in the local tier un-commits a step and keeps its payload files as spares; the next save overwrites a
+    spare in place (the same inode: no page allocation on tmpfs) with exactly its own bytes, shorter ones included.
+    A step folder holding a file PyRecover did not write is refused and nothing moves."""
+    from checkpoint import layout
+    from checkpoint.backends import RankInfo
+    from checkpoint.errors import CheckpointError
+    from checkpoint.fsio import atomic_write, checksum_file
+    from checkpoint.tier import LocalTier
+
+    tier = LocalTier(tmp_path, "run", RankInfo(0, 1), leader=0, identity={})
+    step = tier.root / layout.step_dir_name(2)
+    step.mkdir(parents=True)
+    (step / "model.pt").write_bytes(os.urandom(3 << 20))
+    (step / "rank-00000.pt").write_bytes(b"small")  # under Spares.MIN_BYTES: not worth keeping
+    (step / layout.COMMITTED).write_text("")
+    inode = (step / "model.pt").stat().st_ino
+    tier._retire(step, "why")
+    assert not step.exists()
+    (spare,) = tier.spares.dir.iterdir()
+    assert spare.stat().st_ino == inode
+
+    data = os.urandom((2 << 20) + 123)
+    out = tier.root / "model.pt"
+    record = atomic_write(out, lambda w: w.write(data), reuse=tier.spares.take(len(data)))
+    assert out.stat().st_ino == inode and out.read_bytes() == data
+    assert (record["size"], record[layout.CHECKSUM_ALGORITHM]) == checksum_file(out)
+    assert list(tier.spares.dir.iterdir()) == [] and tier.spares.take(1) is None
+
+    foreign = tier.root / layout.step_dir_name(4)
+    foreign.mkdir()
+    (foreign / "model.pt").write_bytes(os.urandom(2 << 20))
+    (foreign / "notes.txt").write_text("mine")
+    (foreign / layout.COMMITTED).write_text("")
+    with pytest.raises(CheckpointError, match="notes.txt"):
+        tier._retire(foreign, "move them out")
+    assert (foreign / layout.COMMITTED).exists() and (foreign / "model.pt").exists()
+    assert list(tier.spares.dir.iterdir()) == []

@@ -138,6 +138,9 @@ class Backend(ABC):
         #: this rank writes the shared (replicated) pieces of a non-sharded state: rank 0, and in the node-local tier
         #: every node's first rank (tier.py), so each node can restore from its own memory
         self.writes_shared = rank.is_main
+        #: files this backend may overwrite instead of creating new ones (``take(nbytes) -> Path | None``): the local
+        #: tier's retired payload files (tier.Spares); None: always new files
+        self.spares = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

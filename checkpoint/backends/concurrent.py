@@ -215,8 +215,10 @@ class _Snapshot(PayloadHandle):
                 self._wait_copied(self.plan.nbytes)  # write only once the whole snapshot is staged
             for fp in self.plan.files:
                 path = self.step_dir / fp.name
+                spares = self.backend.spares
                 self.files[fp.name] = atomic_write(path, lambda w, fp=fp, path=path: self._fill(w, fp, path),
-                                                   fsync_parent=False)
+                                                   fsync_parent=False,
+                                                   reuse=spares.take(fp.size) if spares is not None else None)
             fsync_dir(self.step_dir)
             self.durable_s = time.perf_counter() - self._t0
         except BaseException as e:  # noqa: BLE001 - re-raised in the training process by wait()
