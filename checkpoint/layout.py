@@ -84,13 +84,16 @@ OWN_FILE_RE = re.compile(r"^(manifest\.json|COMMITTED|part-rank-\d{5,}\.json|[A-
                          r"|\.metadata|\.metadata\.tmp|\.[^/]+\.tmp-[0-9a-f]{8})$")
 
 
-def remove_step_dir(step_dir: Path, why: str) -> None:
+def remove_step_dir(step_dir: Path, why: str, *, salvage: Callable[[Path], None] | None = None) -> None:
     """The one way a step folder is deleted: its commit marker first (a crash mid-way leaves an uncommitted folder,
     never a committed one with files missing), then the rest -- only if everything in it is a name PyRecover writes
     (storage.check_owned: no other file, no sub-folder, no symbolic link, never followed). Else CheckpointError,
-    naming what is in the way; ``why`` says what to do."""
+    naming what is in the way; ``why`` says what to do. ``salvage(step_dir)``: runs once the folder is un-committed,
+    before the rest goes, and may move files out (the local tier keeps its payload files to overwrite, tier.Spares)."""
     storage.check_owned(step_dir, OWN_FILE_RE.match, why)
     (storage.as_path(step_dir) / COMMITTED).unlink(missing_ok=True)
+    if salvage is not None:
+        salvage(step_dir)
     storage.rmtree(step_dir)
 
 
@@ -528,7 +531,7 @@ class Retention:
 def apply_retention(root: Path, keep: int, *, keep_every: int = 0, keep_best: int = 0,
                     in_flight: set[int] = frozenset(), guard: Callable[[str], None] = no_guard,
                     own_staging: str = "", label: str = "retention", quiet: bool = False,
-                    remove: Callable[[Path, str], None] | None = None) -> list[int]:
+                    salvage: Callable[[Path], None] | None = None) -> list[int]:
     """Delete committed checkpoints beyond the newest ``keep`` (by numeric step). Returns the deleted steps.
 
     Never deletes: the newest committed checkpoint, anything in flight, milestones (step % keep_every == 0), the
@@ -537,8 +540,7 @@ def apply_retention(root: Path, keep: int, *, keep_every: int = 0, keep_best: in
     writes in place). Also sweeps staging folders of other incarnations (``own_staging`` is ours): the lease makes
     them dead, since they can never be published. ``guard(what)`` raises if this incarnation is fenced. Called only
     after a new checkpoint has committed. ``label`` begins each log line (the mirror's retention says so); ``quiet``:
-    no line per deletion (the local tier's, at every save). ``remove``: how a step folder goes (default
-    ``remove_step_dir``; the local tier keeps its payload files to overwrite, tier.Spares).
+    no line per deletion (the local tier's, at every save). ``salvage``: see ``remove_step_dir``.
     """
     if keep <= 0:
         writing(root).sweep(root, own_staging, guard)
@@ -558,7 +560,7 @@ def apply_retention(root: Path, keep: int, *, keep_every: int = 0, keep_best: in
         guard(f"delete {info.path.name}")
         fault_point("during_retention_delete", info.path)
         try:
-            (remove or remove_step_dir)(info.path, "retention keeps it: move them out to let it go")
+            remove_step_dir(info.path, "retention keeps it: move them out to let it go", salvage=salvage)
         except CheckpointError as e:
             if str(info.path) not in _kept_foreign:  # once per folder and process: a save every N steps repeats it
                 _kept_foreign.add(str(info.path))

@@ -129,15 +129,7 @@ class LocalTier:
     def retain(self, protected: set[int], guard: Callable[[str], None], own_staging: str) -> None:
         """Keep the newest ``keep`` committed local steps and ``protected`` (not drained yet)."""
         layout.apply_retention(self.root, self.keep, in_flight=protected, guard=guard, own_staging=own_staging,
-                               label=f"local tier {self.root}", quiet=True, remove=self._retire)
-
-    def _retire(self, step_dir: Path, why: str) -> None:
-        """A step retention lets go: un-committed first (as ``layout.remove_step_dir``), its large payload files kept
-        as spares, the rest removed."""
-        storage.check_owned(step_dir, layout.OWN_FILE_RE.match, why)
-        (step_dir / layout.COMMITTED).unlink(missing_ok=True)
-        self.spares.give(step_dir)
-        shutil.rmtree(step_dir, ignore_errors=True)
+                               label=f"local tier {self.root}", quiet=True, salvage=self.spares.give)
 
     # --- restart -------------------------------------------------------------------------------------------------
     def loadable(self) -> dict[int, layout.CheckpointInfo]:

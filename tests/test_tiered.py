@@ -159,7 +159,7 @@ def test_a_retired_local_step_gives_its_files_to_the_next_save(tmp_path):
     (step / "rank-00000.pt").write_bytes(b"small")  # under Spares.MIN_BYTES: not worth keeping
     (step / layout.COMMITTED).write_text("")
     inode = (step / "model.pt").stat().st_ino
-    tier._retire(step, "why")
+    layout.remove_step_dir(step, "why", salvage=tier.spares.give)
     assert not step.exists()
     (spare,) = tier.spares.dir.iterdir()
     assert spare.stat().st_ino == inode
@@ -177,6 +177,6 @@ def test_a_retired_local_step_gives_its_files_to_the_next_save(tmp_path):
     (foreign / "notes.txt").write_text("mine")
     (foreign / layout.COMMITTED).write_text("")
     with pytest.raises(CheckpointError, match="notes.txt"):
-        tier._retire(foreign, "move them out")
+        layout.remove_step_dir(foreign, "move them out", salvage=tier.spares.give)
     assert (foreign / layout.COMMITTED).exists() and (foreign / "model.pt").exists()
     assert list(tier.spares.dir.iterdir()) == []

@@ -213,9 +213,9 @@ class _Snapshot(PayloadHandle):
             fault_point("concurrent_persist_begin", self.step_dir)
             if not self.backend.pipeline:
                 self._wait_copied(self.plan.nbytes)  # write only once the whole snapshot is staged
+            spares = self.backend.spares
             for fp in self.plan.files:
                 path = self.step_dir / fp.name
-                spares = self.backend.spares
                 self.files[fp.name] = atomic_write(path, lambda w, fp=fp, path=path: self._fill(w, fp, path),
                                                    fsync_parent=False,
                                                    reuse=spares.take(fp.size) if spares is not None else None)
