@@ -404,24 +404,34 @@ class CheckpointManager:
             info.verified.clear()  # what the load did not take is not held for the rest of the run
 
     def _nearest(self, state: CheckpointState, t0: float) -> int | None:
-        """Resume from the nearest tier: every rank's verified local steps are gathered; the newest that every rank
-        holds locally wins if the shared tier has nothing newer committed; otherwise the shared tier's `latest`, which
-        each rank still loads from its local tier if it holds that step. A step restored only from local tiers is then
-        drained to the shared tier, so losing a node right after loses nothing."""
-        local = self.tier.loadable()
-        best_local = everywhere(local, self.rank.gather)
+        """Resume from the nearest tier: the newest step that every rank holds locally wins if the shared tier has
+        nothing newer committed; otherwise the shared tier's `latest`, which each rank still loads from its local tier
+        if it holds that step. Only the chosen step is verified: a local copy that fails is removed, and the choice is
+        made again without it. A step restored only from local tiers is then drained to the shared tier, so losing a
+        node right after loses nothing."""
+        local = self.tier.committed()
         newest_shared = self.rank.from_main(max((i.step for r in self._roots() for i in layout.list_checkpoints(r)
                                                  if i.committed), default=None) if self.rank.is_main else None)
-        info = None
-        if newest_shared is not None and (best_local is None or newest_shared > best_local):
-            info = self.resolve("latest")  # verified on rank 0 (perhaps an older one); the same answer everywhere
-        if info is not None and (best_local is None or info.step > best_local):
-            step = info.step  # from the shared tier, but a rank holding it locally loads that copy
-        elif best_local is not None:
-            step, info = best_local, None
-        else:
-            return None
-        mine = local.get(step)
+        shared: list = []  # the shared tier's `latest`, resolved (and verified on rank 0) at most once
+        while True:
+            best_local = everywhere(local, self.rank.gather)
+            info = None
+            if newest_shared is not None and (best_local is None or newest_shared > best_local):
+                shared = shared or [self.resolve("latest")]  # perhaps an older one; the same answer everywhere
+                info = shared[0]
+            if info is not None and (best_local is None or info.step > best_local):
+                step = info.step  # from the shared tier, but a rank holding it locally loads that copy
+            elif best_local is not None:
+                step, info = best_local, None
+            else:
+                return None
+            mine = local.get(step)
+            if mine is not None and not self.tier.usable(mine):
+                del local[step]
+                mine = None
+            # a rank without the step loads the shared copy; without one, every rank must hold it (else choose again)
+            if info is not None or all(self.rank.gather(mine is not None)):
+                break
         if mine is not None:
             self.tier.load(mine, state)
         else:

@@ -132,20 +132,23 @@ class LocalTier:
                                label=f"local tier {self.root}", quiet=True, salvage=self.spares.give)
 
     # --- restart -------------------------------------------------------------------------------------------------
-    def loadable(self) -> dict[int, layout.CheckpointInfo]:
-        """This rank's local steps that verify, with their leader's part, and name this run; the others go."""
-        found = {}
-        for info in reversed(layout.list_checkpoints(self.root)):
-            keep = None if found else info.verified  # the newest one's bytes stay for the load: read once
-            try:
-                info.manifest = self._verified(info.path, keep)
-                if self.leader_root != self.root:
-                    self._verified(self.leader_root / info.path.name, keep)
-            except CheckpointError as e:
-                self._remove(info, f"not usable ({e})")
-                continue
-            found[info.step] = info
-        return found
+    def committed(self) -> dict[int, layout.CheckpointInfo]:
+        """This rank's committed local steps, not verified yet: ``usable`` verifies the one a restart picks, so a
+        restart reads the bytes of that step only."""
+        return {info.step: info for info in layout.list_checkpoints(self.root) if info.committed}
+
+    def usable(self, info: layout.CheckpointInfo) -> bool:
+        """Verify ``info`` (this rank's part and its leader's) and that it names this run; its bytes stay in
+        ``info.verified`` for the load. A step that fails is removed, with a line saying why."""
+        try:
+            info.manifest = self._verified(info.path, info.verified)
+            if self.leader_root != self.root:
+                self._verified(self.leader_root / info.path.name, info.verified)
+        except CheckpointError as e:
+            info.verified.clear()
+            self._remove(info, f"not usable ({e})")
+            return False
+        return True
 
     def _verified(self, step_dir: Path, keep: dict | None) -> dict:
         manifest = layout.verify(step_dir, keep=keep)
@@ -159,7 +162,7 @@ class LocalTier:
 
     def load(self, info: layout.CheckpointInfo, state: CheckpointState) -> None:
         """Restore ``state`` from this rank's part of ``info`` and its leader's shared pieces (verified as they are
-        read, or already by ``loadable``)."""
+        read, or already by ``usable``)."""
         leader_dir = self.leader_root / info.path.name
         try:
             shared = (leader_dir, info.manifest if leader_dir == info.path else layout.read_manifest(leader_dir))
