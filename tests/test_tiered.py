@@ -51,7 +51,8 @@ def reference(tmp_path_factory, corpus) -> Path:
 def test_whole_job_kills_resume_from_the_local_tier_then_a_swapped_node_from_the_shared_tier(tmp_path, corpus,
                                                                                               reference):
     """Seeded whole-job SIGKILLs with the local tier every 2 steps and the shared tier every 20:
-    1. a kill before the first shared save: the restart resumes from both ranks' local tiers, and drains that step;
+    1. a kill before the first shared save, then rank 1's copy of the newest local step corrupted: the restart
+       resumes from the step before it, from both ranks' local tiers, and drains that step;
     2. a kill after it, then rank 1's local folder wiped (its node replaced): the restart takes the shared tier;
     and the run ends bitwise equal to the uninterrupted one, every loss row once."""
     seed = int(os.environ.get("PYRECOVER_TEST_SEED", random.randrange(1 << 30)))
@@ -65,10 +66,21 @@ def test_whole_job_kills_resume_from_the_local_tier_then_a_swapped_node_from_the
 
     kill_run_at_row(torchrun_cmd(2, args), csv, first, env=env)
     assert sorted(p.name for p in (local / "run").iterdir()) == ["rank-00000", "rank-00001"]
+    held = [{int(p.name[5:]) for p in (local / "run" / f"rank-0000{r}").glob("step-*") if (p / "COMMITTED").exists()}
+            for r in (0, 1)]
+    common = sorted(held[0] & held[1])
+    assert common and first - LOCAL_EVERY <= common[-1] <= first + 1, (first, held)
+    expect = common[-1]
+    if len(common) > 1:  # rank 1's copy of the newest common step is corrupted: both ranks take the one before
+        damaged = local / "run" / "rank-00001" / f"step-{common[-1]:08d}" / "rank-00001.pt"
+        data = damaged.read_bytes()
+        damaged.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+        expect = common[-2]
+    print(f"local steps held {held}; expected resume from {expect}")
     out = run_torchrun(2, args, env={**TWO_NODES, "PYRECOVER_CRASH_AT_STEP": f"{second + 1}:0"})
     step, where = _resumed(out.stdout + out.stderr)
     assert where == "2 of 2 ranks from their local tier", out.stdout[-2000:]
-    assert first - LOCAL_EVERY <= step <= first + 1 and step % LOCAL_EVERY == 0, (first, step)
+    assert step == expect, (held, step)
     assert (ckpt / "run" / f"step-{step:08d}" / "COMMITTED").exists(), "the restored step was not drained"
 
     # rank 0 died after the forward pass of step second+1 (the job's other rank with it): rank 1's node is replaced
