@@ -18,6 +18,8 @@
 #                            aliases or anything a module system keeps outside the environment, and a node may need its
 #                            own module/conda paths: sourcing per task is what works everywhere)
 #   PYRECOVER_DIR=REPO       where train.py is (see below); PYRECOVER_MAX_RESTARTS=N (default 100)
+#   PYRECOVER_INPLACE_RESTARTS=N  a rank that crashed: run again in this allocation from latest, up to N times per
+#                            run of the job (default 2; 0: never), instead of ending the job
 #   PYRECOVER_DRY_RUN=1      print the resolved srun command line and exit 0 (no srun; checks the options and --setup)
 #
 # Edit the #SBATCH block below once for your cluster (command-line sbatch options override it, e.g.
@@ -43,7 +45,8 @@
 #
 # Exit codes of train.py and what this script does with them:
 #   0 finished                      -> exit 0
-#   1 failed                        -> exit 1
+#   1 failed (or a rank killed)     -> run again in this allocation from latest (PYRECOVER_INPLACE_RESTARTS), then
+#                                      exit with that code
 #   2 bad input (one-line message)  -> exit 2
 #   3 stopped, state saved, requeue -> train.py already requeued the job (SLURM ends this script); if it did not
 #                                      (--jit-checkpoint after a rank failure), requeue here, within MAX_RESTARTS
@@ -72,6 +75,7 @@
 # ---------------------------------------------------------------------------------------------------------------------
 
 MAX_RESTARTS=${PYRECOVER_MAX_RESTARTS:-100}  # also passed to train.py as --max-restarts
+INPLACE_RESTARTS=${PYRECOVER_INPLACE_RESTARTS:-2}  # a crashed rank: rerun in the allocation, this many times
 PYTHON=${PYTHON:-python}
 
 set -uo pipefail
@@ -198,9 +202,25 @@ if [[ ${PYRECOVER_DRY_RUN:-0} == 1 ]]; then
     printf 'dry run: '; printf '%q ' "${launch[@]}" "${run[@]}"; echo
     exit 0
 fi
-"${launch[@]}" "${run[@]}"
-rc=$?
-echo "$(date -u +%FT%TZ) train.py exit code $rc"
+# A rank that crashed (a segfault, the OOM killer, an exception) ends the job step, not the allocation: the nodes are
+# still the job's, so it runs again here from `latest` -- from each node's local tier if it has one -- instead of
+# waiting in the queue. At most INPLACE_RESTARTS times per run of the job. A lost node is SLURM's to handle: srun
+# waits for its task until SLURM ends the job (NODE_FAIL) and requeues it.
+inplace=0
+while true; do
+    "${launch[@]}" "${run[@]}"
+    rc=$?
+    echo "$(date -u +%FT%TZ) train.py exit code $rc"
+    case $rc in 0 | 2 | 3 | 4 | 5 | 6) break ;; esac
+    if [[ $inplace -ge $INPLACE_RESTARTS ]]; then
+        [[ $INPLACE_RESTARTS -gt 0 ]] && echo "not restarting in this allocation: $inplace restarts reached PYRECOVER_INPLACE_RESTARTS=$INPLACE_RESTARTS"
+        break
+    fi
+    inplace=$((inplace + 1))
+    [[ $inplace == 1 ]] && run+=(--resume-from-checkpoint latest)  # the last occurrence wins
+    echo "$(date -u +%FT%TZ) a rank failed: restarting in this allocation from latest ($inplace of $INPLACE_RESTARTS):" \
+         "${launch[*]} ${run[*]}"
+done
 
 case $rc in
     0) echo "training finished"; exit 0 ;;

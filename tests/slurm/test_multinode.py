@@ -142,24 +142,33 @@ def drive_node_loss(cluster, base: Path, corpus: str, name: str, nodes: str, jit
 
 def drive_tiered_whole_job_kill(cluster, base: Path, corpus: str) -> dict:
     """A node-local tier in each node's own scratch folder (the same path, another disk on every node): local saves
-    every 2 steps, shared every 20. Both nodes lose every process at a seeded random row (a whole-job SIGKILL); SLURM
-    requeues the job onto them; each rank resumes from its own node's local tier."""
+    every 2 steps, shared every 20. First rank 1's process is SIGKILLed at a seeded row before the first shared save
+    (a crash, the nodes stay): the script runs the ranks again in the same allocation, and they resume from their local
+    tiers. Later both nodes lose every process (a whole-job SIGKILL); SLURM requeues the job onto them; each rank
+    resumes from its own node's local tier again."""
     seed = int(os.environ.get("PYRECOVER_TEST_SEED", random.randrange(1 << 30)))
-    row = random.Random(seed).randint(23, 40)
+    rng = random.Random(seed)
+    crash_row, row = rng.randint(5, 15), rng.randint(25, 40)
     local = cluster.state_dir / "scratch" / "tier"
     job = submit(cluster, base, "mn-tiered", corpus, "--nodelist=pyr-node[10-11]", "--time=5", sleep=0.3,
                  train_args=("--local-checkpoint-dir", str(local), "--local-checkpoint-frequency", "2",
                              "--checkpoint-frequency", "20"))
-    job.wait_rows(row, timeout=600)
+    job.wait_rows(crash_row, timeout=600)
     nodes = nodes_of(cluster, job)
+    _signal(wait_for(lambda: cluster.task_pids(nodes[1], job.id), "rank 1's process"), signal.SIGKILL)
+    crashed_at = job.rows()
+    wait_for(lambda: "restarting in this allocation" in job.output(), f"the in-allocation restart\n"
+             f"{job.output()[-3000:]}", timeout=120)
+    job.wait_rows(row, timeout=600)
     for node in nodes:
         cluster.node_sh("kill-node", node)
     killed_at = job.rows()
     for node in nodes:
         cluster.node_sh("start-node", node)
     info = cluster.wait_for_state(job.id, "COMPLETED", timeout=600)
-    timing(f"tiered whole-job kill (seed {seed}, row {row}): done {time.monotonic() - job.t_submit:.1f}s after submit")
-    return {"job": job, "info": info, "killed_at": killed_at, "seed": seed}
+    timing(f"tiered crash (row {crash_row}) and whole-job kill (row {row}), seed {seed}: done "
+           f"{time.monotonic() - job.t_submit:.1f}s after submit")
+    return {"job": job, "info": info, "crashed_at": crashed_at, "killed_at": killed_at, "seed": seed}
 
 
 def _signal(pids: list[int], sig: int) -> None:
@@ -370,10 +379,18 @@ def test_whole_job_kill_with_a_local_tier_per_node_resumes_from_the_local_tiers(
     job, info = r["job"], r["info"]
     out = job.output()
     assert info.get("ExitCode") == "0:0" and int(info.get("Restarts", 0)) >= 1, info
-    m = re.search(r"resumed from \S+ \(step (\d+), vanilla backend; 2 of 2 ranks from their local tier", out)
-    assert m, (r["seed"], out[-4000:])
+    crash, kill = out.split("requeued run (SLURM_RESTART_COUNT=1)", 1)
+    # the crash: no requeue, the same allocation, both ranks from their local tiers (no shared step before 20)
+    before, again = crash.split("a rank failed: restarting in this allocation from latest (1 of 2)", 1)
+    assert "train.py exit code 0" not in before, before[-3000:]
+    m = re.search(r"resumed from \S+ \(step (\d+), vanilla backend; 2 of 2 ranks from their local tier", again)
+    assert m, (r["seed"], again[-4000:])
+    first = int(m.group(1))
+    assert first < 20 and 0 <= r["crashed_at"] - first <= 3, (r["seed"], first, r["crashed_at"])
+    # the whole-job kill: requeued onto the same nodes, the newest local step (every 2), newer than the shared tier's
+    m = re.search(r"resumed from \S+ \(step (\d+), vanilla backend; 2 of 2 ranks from their local tier", kill)
+    assert m, (r["seed"], kill[-4000:])
     step = int(m.group(1))
-    # the newest local step (every 2), newer than the shared tier's (20): at most the local interval is lost
     assert 20 < step <= r["killed_at"] and r["killed_at"] - step <= 3, (r["seed"], step, r["killed_at"])
-    assert f"checkpoint step {step} committed in the shared tier" in out  # drained right after the restore
-    assert_resumed_and_finished(job, out, step, campaign("reference"), runs=2)
+    assert f"checkpoint step {step} committed in the shared tier" in kill  # drained right after the restore
+    assert_resumed_and_finished(job, out, first, campaign("reference"), runs=3)

@@ -54,3 +54,25 @@ def test_no_train_py_anywhere_names_the_three_places(slurm_cluster, tmp_path):
     line = errors[0]
     assert "train.py not found" in line and "PYRECOVER_DIR" in line, line
     assert f"working directory ({workdir})" in line and f"submit directory ({tmp_path / 'elsewhere'})" in line, line
+
+
+def test_a_crashing_rank_runs_again_in_the_allocation_until_the_cap(slurm_cluster, tmp_path):
+    """A task that crashes every time (PYTHON stands in for a train.py that dies): the script runs it again in the same
+    allocation from latest, PYRECOVER_INPLACE_RESTARTS times, then ends the job with its exit code. (Resuming from the
+    node-local tier after such a restart: tests/slurm/test_multinode.py, the tiered scenario.)"""
+    crash = tmp_path / "crash.sh"
+    calls = tmp_path / "calls"
+    crash.write_text(f'#!/bin/bash\necho "argv: $*" >> {calls}\nkill -9 $$\n')
+    crash.chmod(0o755)
+    out = tmp_path / "crash.out"
+    job = slurm_cluster.sbatch(str(SCRIPT), "--job-name=pyr-crash", "--ntasks-per-node=1", "--time=5",
+                               f"--chdir={ROOT}", f"--output={out}", script_args=[],
+                               env={"PYTHON": str(crash), "PYRECOVER_INPLACE_RESTARTS": "2"}, cwd=tmp_path)
+    info = slurm_cluster.wait_for_state(job, "FAILED", timeout=120)
+    log = out.read_text(errors="replace")
+    argvs = calls.read_text().splitlines()
+    assert len(argvs) == 3 and "--resume-from-checkpoint" not in argvs[0], log
+    assert all(a.endswith("--resume-from-checkpoint latest") for a in argvs[1:]), argvs
+    assert "restarting in this allocation from latest (2 of 2)" in log, log
+    assert "not restarting in this allocation: 2 restarts reached PYRECOVER_INPLACE_RESTARTS=2" in log, log
+    assert info["Restarts"] == "0" and info["ExitCode"] != "0:0", info
