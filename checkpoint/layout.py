@@ -20,6 +20,7 @@ import re
 import shutil
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable
@@ -185,8 +186,8 @@ class CheckpointInfo:
     committed: bool
     manifest: dict | None = None
     problems: list[str] = field(default_factory=list)
-    # the bytes verify() read and checked, by path, kept for the load that follows (one read per file, not two)
-    verified: dict[str, memoryview] = field(default_factory=dict, repr=False)
+    # what verify() read and checked, by path, kept for the load that follows (one read per file, not two)
+    verified: dict = field(default_factory=dict, repr=False)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "verified": {}}  # the bytes stay in the process that read them (rank 0's resolve)
@@ -391,34 +392,73 @@ def _schema_problem(value, schema, where: str) -> str | None:
     return f"{where} is {_show(value)}, which no PyRecover writes"
 
 
-def verify(step_dir: Path, *, checksums: bool = True, keep: dict[str, memoryview] | None = None) -> dict:
+def verify(step_dir: Path, *, checksums: bool = True, keep: dict | None = None) -> dict:
     """Return the manifest if every listed file has its recorded size (and checksum); else raise CheckpointError.
-    ``keep``: receives the verified bytes by path, for the load right after (``take_verified``)."""
+    ``keep``: receives, by path, what the load right after needs of each verified file (``take_verified``): the
+    backend's parse of it (``Backend.parse_file``), else its bytes."""
     manifest = read_manifest(step_dir)
     algorithm = manifest["checksum"]
-    kept: dict[str, memoryview] = {}
+    listed = []
     for name, rec in manifest["files"].items():
         path = member(step_dir, name, manifest)
         if not path.is_file():
             raise CheckpointError(f"{path} is listed in the manifest but missing")
         if path.stat().st_size != rec["size"]:
             raise CheckpointError(f"{path} has {path.stat().st_size} bytes, manifest says {rec['size']}: truncated")
-        if checksums:
-            data = storage.read_checked(path, rec["size"], algorithm, rec[algorithm])
-            if keep is not None:
-                kept[str(path)] = data
-    if keep is not None:
-        keep.update(kept)
+        listed.append((path, rec))
     if checksums:
         from .backends import backend_class  # the backends build on this module: imported when first verifying
 
-        backend_class(manifest["backend"]).check_files(step_dir, manifest)
+        backend = backend_class(manifest["backend"])
+        kept = _read_checked(listed, algorithm, keep is not None, backend.parse_file)
+        if keep is not None:
+            keep.update(kept)
+        backend.check_files(step_dir, manifest)
     return manifest
 
 
-def take_verified(path: Path, record: dict, algorithm: str, verified: dict[str, memoryview] | None) -> memoryview:
-    """The bytes of a manifest-listed file: those verify() kept in ``verified``, or read now and verified as they
-    arrive."""
+@dataclass
+class Parsed:
+    """A verified file as the backend's load reads it (``value``), or the error that parsing it raised, which the
+    load raises when it takes the file (a file that verifies but does not parse is the load's error, as before)."""
+    value: object = None
+    error: CheckpointError | None = None
+
+
+def _read_checked(listed: list[tuple[Path, dict]], algorithm: str, keep: bool, parse) -> dict:
+    """Read and check every listed file; with ``keep``, what the load needs of each, by path. With a ``parse``, each
+    verified file is parsed while a thread reads the next one: the read (the kernel's, and xxh3) runs without the GIL,
+    so it overlaps the parse's copy into new memory. Largest first, so the one parse nothing overlaps is a small
+    one. Nothing is applied to any state here: a file that fails its check discards what was parsed before it."""
+    kept: dict = {}
+    if not (keep and parse):
+        for path, rec in listed:
+            data = storage.read_checked(path, rec["size"], algorithm, rec[algorithm])
+            if keep:
+                kept[str(path)] = data
+        return kept
+    order = sorted(listed, key=lambda f: -f[1]["size"])
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-verify") as reader:
+        reads = [(path, reader.submit(storage.read_checked, path, rec["size"], algorithm, rec[algorithm]))
+                 for path, rec in order]
+        try:
+            for path, read in reads:
+                data = read.result()
+                try:
+                    kept[str(path)] = Parsed(value=parse(path, data))
+                except CheckpointError as e:
+                    kept[str(path)] = Parsed(error=e)
+                del data
+        except BaseException:
+            for _, read in reads:
+                read.cancel()
+            raise
+    return kept
+
+
+def take_verified(path: Path, record: dict, algorithm: str, verified: dict | None):
+    """What verify() kept of a manifest-listed file (its bytes, or its ``Parsed`` form), else its bytes, read now and
+    verified as they arrive."""
     data = verified.pop(str(path), None) if verified else None
     return data if data is not None else storage.read_checked(path, record["size"], algorithm, record[algorithm])
 

@@ -167,6 +167,10 @@ class Backend(ABC):
         ``step_dir`` (any medium), as one rank would; return their size/checksum records (convert.py)."""
         raise NotImplementedError
 
+    #: how this backend's load reads one verified file (``(path, bytes) -> object``): layout.verify then parses each
+    #: file while it reads the next, for the load that follows. None: the load reads the bytes itself
+    parse_file: Callable[[Path, memoryview], Any] | None = None
+
     @staticmethod
     def write_pieces(step_dir: Path, pieces: dict[str, dict], rank: int) -> dict[str, dict]:
         """Write ``{file name: state dict}`` as this rank's files, durably; return their records. Formats of one

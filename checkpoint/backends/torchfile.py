@@ -86,12 +86,21 @@ def safe_load(path: Path, record: dict | None = None, algorithm: str = "", *, mm
         return load_weights_only(path, str(path), mmap=True)
     if record is not None:
         data = layout.take_verified(path, record, algorithm, verified)
+        if isinstance(data, layout.Parsed):  # verify() parsed it already (parse_file)
+            if data.error is not None:
+                raise data.error
+            return data.value
     else:
         try:
             data = path.read_bytes()
         except OSError as e:
             raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
     return load_weights_only(MemoryFile(memoryview(data)), str(path))
+
+
+def parse_file(path: Path, data: memoryview) -> Any:
+    """A verified file's bytes as its load reads them (Backend.parse_file)."""
+    return load_weights_only(MemoryFile(data), str(path))
 
 
 def read_section(step_dir: Path, manifest: dict, section: str) -> dict[str, Any]:

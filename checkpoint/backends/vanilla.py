@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..state import CheckpointState
 from .base import Backend, CompletedPayload, PayloadHandle
-from .torchfile import load_pieces, payload_pieces, read_section, save_pieces, write_sections
+from .torchfile import load_pieces, parse_file, payload_pieces, read_section, save_pieces, write_sections
 
 
 class VanillaBackend(Backend):
@@ -19,6 +19,7 @@ class VanillaBackend(Backend):
     read_section = staticmethod(read_section)
     write_sections = staticmethod(write_sections)
     write_pieces = staticmethod(save_pieces)
+    parse_file = staticmethod(parse_file)
 
     def save(self, step_dir: Path, state: CheckpointState) -> PayloadHandle:
         self.check_state(state)
