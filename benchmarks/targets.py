@@ -243,8 +243,12 @@ def bench_resume(folder: Path, steps: int, repeats: int, base: list[str], read_m
         args = base + ["--training-steps", str(steps + 1), "--checkpoint-frequency", "0", "--checkpoint-dir",
                        str(ck), "--resume-from-checkpoint", str(steps), *CONFIGS[name]]
         # every restart reads a cold checkpoint, as after a node loss
-        out[name] = _restarts(repeats, lambda ck=ck: drop_cache(ck), args, env, import_s, read_mib_s,
-                              "load_over_o_direct_read")
+        if name == "concurrent":  # and once more without huge pages (train.py's default), alternated with it
+            out.update(_restarts(repeats, lambda ck=ck: drop_cache(ck), args, {name: env, NO_THP: dict(
+                env, THP_MEM_ALLOC_ENABLE="0")}, import_s, read_mib_s, "load_over_o_direct_read"))
+        else:
+            out[name] = _restarts(repeats, lambda ck=ck: drop_cache(ck), args, env, import_s, read_mib_s,
+                                  "load_over_o_direct_read")
         if name == "concurrent":  # the same restart, handed to a warm standby that paid the imports before
             with warm.running(str(folder / "warm.sock"), env=env):
                 out[WARM] = _restarts(repeats, lambda ck=ck: drop_cache(ck), args,
@@ -254,25 +258,33 @@ def bench_resume(folder: Path, steps: int, repeats: int, base: list[str], read_m
     return out
 
 
-def _restarts(repeats: int, before, args: list[str], env: dict, import_s: float, read_mib_s: float,
-              ratio: str) -> dict:
+def _restarts(repeats: int, before, args: list[str], env, import_s: float, read_mib_s: float, ratio: str) -> dict:
     """``repeats`` restarts of train.py ``args`` (``before()`` readies each): its `recovery:` and `resumed from` lines,
-    against the floor `import torch` + reading the state at ``read_mib_s``; ``ratio`` names load ÷ that bandwidth."""
-    recov, loads, mib = [], [], 0.0
+    against the floor `import torch` + reading the state at ``read_mib_s``; ``ratio`` names load ÷ that bandwidth.
+    ``env``: one environment, or ``{name: environment}`` to compare, alternated restart by restart (then one result
+    per name)."""
+    variants = env if all(isinstance(v, dict) for v in env.values()) else {"": env}
+    recov: dict = {k: [] for k in variants}
+    loads: dict = {k: [] for k in variants}
+    mib = 0.0
     for _ in range(repeats):
-        before()
-        text = _train(args, env)
-        recov.append(float(RECOVERY.search(text).group(1)))
-        m = RESUMED.search(text)
-        mib = float(m.group(1))
-        loads.append(mib / float(m.group(2)))
+        for k, e in variants.items():
+            before()
+            text = _train(args, e)
+            recov[k].append(float(RECOVERY.search(text).group(1)))
+            m = RESUMED.search(text)
+            mib = float(m.group(1))
+            loads[k].append(mib / float(m.group(2)))
     floor = import_s + mib / read_mib_s
-    return {"recovery_s": med(recov), "load_mib_s": med(loads), "state_mib": mib, "floor_s": floor,
-            "recovery_over_floor": statistics.median(recov) / floor, ratio: statistics.median(loads) / read_mib_s}
+    out = {k: {"recovery_s": med(recov[k]), "load_mib_s": med(loads[k]), "state_mib": mib, "floor_s": floor,
+               "recovery_over_floor": statistics.median(recov[k]) / floor,
+               ratio: statistics.median(loads[k]) / read_mib_s} for k in variants}
+    return out[""] if "" in out else out
 
 
 TIER = "local tier (/dev/shm)"
 WARM = "concurrent, warm standby"
+NO_THP = "concurrent, 4 KiB pages (THP_MEM_ALLOC_ENABLE=0)"
 
 
 def bench_tier_resume(folder: Path, steps: int, repeats: int, base: list[str], env: dict, import_s: float,
@@ -339,7 +351,7 @@ def report(res: dict, out_dir: Path, command: str) -> str:
               f"`import torch`: {show(rs['import_torch_s'])} s; O_DIRECT read: {b['o_direct_read']['mib_s']['median']:.0f} MiB/s.", "",
               "| checkpoint of | state MiB | recovery s | floor s (import torch + read) | ratio | load MiB/s | load ÷ O_DIRECT read |",
               "|---|---:|---:|---:|---:|---:|---:|"]
-    for k in ("concurrent", WARM, "dcp async (thread)"):
+    for k in ("concurrent", NO_THP, WARM, "dcp async (thread)"):
         if k in rs:
             v = rs[k]
             lines.append(f"| {k} | {v['state_mib']:.0f} | {show(v['recovery_s'], '{:.2f}')} | {v['floor_s']:.2f} | "
