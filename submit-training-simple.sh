@@ -81,6 +81,8 @@ PYTHON=${PYTHON:-python}
 set -uo pipefail
 
 die() { echo "submit-training-simple.sh: error: $*" >&2; exit 2; }
+[[ $INPLACE_RESTARTS =~ ^[0-9]+$ ]] || die "PYRECOVER_INPLACE_RESTARTS='$INPLACE_RESTARTS': give a whole number of" \
+    "restarts in the allocation (0: none)"
 
 # The batch script runs from a copy in SLURM's spool directory, so $0 does not locate the repository. Look for train.py
 # in PYRECOVER_DIR, then the job's working directory (sbatch --chdir=REPO), then the submit directory (outside SLURM:

@@ -118,3 +118,13 @@ def test_help_is_the_header():
     proc = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0 and "PYRECOVER_SETUP=FILE" in proc.stdout, proc
     assert "#SBATCH --job-name" not in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("value", ["two", "-1", ""])
+def test_a_bad_inplace_restart_count_is_one_line_and_exit_2(value):
+    proc = dry_run(env={"PYRECOVER_INPLACE_RESTARTS": value})
+    if value == "":  # empty means unset: the default
+        command(proc)
+        return
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc
+    assert f"PYRECOVER_INPLACE_RESTARTS='{value}'" in proc.stderr and "whole number" in proc.stderr, proc.stderr
