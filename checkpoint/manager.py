@@ -143,8 +143,12 @@ class CheckpointManager:
             except Fenced as e:
                 self._note_fenced(e)
 
-        if payload.done():
-            finish()
+        if payload.done():  # it may also have failed already (a writer that failed at once): raised here, then
+            try:
+                finish()
+            except Exception:
+                self._drain()  # as in _reap: the saves still in flight commit before the error propagates
+                raise
             handle = SaveHandle(step, payload, None, record)
         else:
             handle = SaveHandle(step, payload, BackgroundTask(finish, name=f"ckpt-commit-{step}"), record)
