@@ -388,11 +388,10 @@ def estimate_peak_memory(config: ModelConfig, batch_size: int, seq_len: int, dty
     - optimizer step temporaries: single-tensor AdamW (CPU) two copies of the largest weight (the V x d embedding),
       foreach AdamW (CUDA) one copy of all weights, fused none.
     The peak is parameters + optimizer state + max(activations + logits, gradients + step temporaries) + overhead.
-    Overhead, CPU only, calibrated on `tiny` and `small`: 40 MiB + 4/3 of the gradients' size -- PyTorch's first-use
+    Overhead, CPU only, calibrated on `tiny` and `small`: 80 MiB + half the gradients' size -- PyTorch's first-use
     allocations (~30-50 MiB) and the freed memory glibc malloc keeps resident (tensors under its mmap threshold,
     which rises up to 32 MiB, come from the heap; the peak resident set grows over the first ~10-30 steps, then levels
-    off). Chosen to hold with train.py's huge pages (THP_MEM_ALLOC_ENABLE=1: tensors of 2 MiB and more bypass the
-    heap: tiny measures ~20 MiB less, small as much or more) and without them. On CUDA the estimate is of tensor memory (torch.cuda.max_memory_allocated; the CUDA context and the caching
+    off). On CUDA the estimate is of tensor memory (torch.cuda.max_memory_allocated; the CUDA context and the caching
     allocator's reserve are not counted). docs/training.md "Pre-flight checks" states how far it is from measured peaks.
     """
     c = config
@@ -425,7 +424,7 @@ def estimate_peak_memory(config: ModelConfig, batch_size: int, seq_len: int, dty
         step = P * wide // shard
     else:
         step = 2 * max(V * d, d * f, d * h * c.head_dim) * wide // shard
-    overhead = 40 * 2**20 + grads * 4 // 3 if device_type == "cpu" else 0
+    overhead = 80 * 2**20 + grads // 2 if device_type == "cpu" else 0
     return MemoryEstimate(parameters=params, gradients=grads, optimizer=2 * P * wide // shard, optimizer_step=step,
                           activations=activations, logits=logits, overhead=overhead,
                           checkpoint_buffers=checkpoint_copies * 3 * P * wide // shard)
