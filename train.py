@@ -54,11 +54,6 @@ if __name__ == "__main__":
 
 _PARENT_AT_START = os.getppid()  # a torchrun rank's launcher (distributed.follow_launcher), before it could have died
 _T_IMPORTS = time.monotonic()  # the heavy imports start here (the recovery line reports how long a restart took)
-# CPU tensors of 2 MiB and more on transparent huge pages (torch's CPU allocator then madvises them): new memory is
-# faulted in 2 MiB at a time, not 4 KiB. Filling a new 224 MiB tensor measured 3-4x faster here; a restart pays that
-# for every tensor it loads, and a CPU step for its new gradients. torch reads it once, at its first allocation, so
-# before the import (warm.py's standby imports torch through this module). A user's own value wins.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import numpy as np
 import torch
 import torch.nn.functional as F

@@ -106,9 +106,9 @@ def serve(path: str) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import importlib
 
-    import train  # first: it sets what torch's allocator reads at its import
-
     import torch
+
+    import train
 
     importlib.import_module("torch._dynamo")  # torch.optim imports it when the first optimizer is built
     env_threads = os.environ.get("OMP_NUM_THREADS")

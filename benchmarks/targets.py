@@ -243,9 +243,9 @@ def bench_resume(folder: Path, steps: int, repeats: int, base: list[str], read_m
         args = base + ["--training-steps", str(steps + 1), "--checkpoint-frequency", "0", "--checkpoint-dir",
                        str(ck), "--resume-from-checkpoint", str(steps), *CONFIGS[name]]
         # every restart reads a cold checkpoint, as after a node loss
-        if name == "concurrent":  # and once more without huge pages (train.py's default), alternated with it
-            out.update(_restarts(repeats, lambda ck=ck: drop_cache(ck), args, {name: env, NO_THP: dict(
-                env, THP_MEM_ALLOC_ENABLE="0")}, import_s, read_mib_s, "load_over_o_direct_read"))
+        if name == "concurrent":  # and once more with torch's huge pages for CPU tensors, alternated with it
+            out.update(_restarts(repeats, lambda ck=ck: drop_cache(ck), args, {name: env, THP: dict(
+                env, THP_MEM_ALLOC_ENABLE="1")}, import_s, read_mib_s, "load_over_o_direct_read"))
         else:
             out[name] = _restarts(repeats, lambda ck=ck: drop_cache(ck), args, env, import_s, read_mib_s,
                                   "load_over_o_direct_read")
@@ -284,7 +284,7 @@ def _restarts(repeats: int, before, args: list[str], env, import_s: float, read_
 
 TIER = "local tier (/dev/shm)"
 WARM = "concurrent, warm standby"
-NO_THP = "concurrent, 4 KiB pages (THP_MEM_ALLOC_ENABLE=0)"
+THP = "concurrent, huge pages (THP_MEM_ALLOC_ENABLE=1)"
 
 
 def bench_tier_resume(folder: Path, steps: int, repeats: int, base: list[str], env: dict, import_s: float,
@@ -351,7 +351,7 @@ def report(res: dict, out_dir: Path, command: str) -> str:
               f"`import torch`: {show(rs['import_torch_s'])} s; O_DIRECT read: {b['o_direct_read']['mib_s']['median']:.0f} MiB/s.", "",
               "| checkpoint of | state MiB | recovery s | floor s (import torch + read) | ratio | load MiB/s | load ÷ O_DIRECT read |",
               "|---|---:|---:|---:|---:|---:|---:|"]
-    for k in ("concurrent", NO_THP, WARM, "dcp async (thread)"):
+    for k in ("concurrent", THP, WARM, "dcp async (thread)"):
         if k in rs:
             v = rs[k]
             lines.append(f"| {k} | {v['state_mib']:.0f} | {show(v['recovery_s'], '{:.2f}')} | {v['floor_s']:.2f} | "
