@@ -243,43 +243,40 @@ def bench_resume(folder: Path, steps: int, repeats: int, base: list[str], read_m
         args = base + ["--training-steps", str(steps + 1), "--checkpoint-frequency", "0", "--checkpoint-dir",
                        str(ck), "--resume-from-checkpoint", str(steps), *CONFIGS[name]]
         # every restart reads a cold checkpoint, as after a node loss
+        envs = {name: env}
         if name == "concurrent":  # and once more with torch's huge pages for CPU tensors, alternated with it
-            out.update(_restarts(repeats, lambda ck=ck: drop_cache(ck), args, {name: env, THP: dict(
-                env, THP_MEM_ALLOC_ENABLE="1")}, import_s, read_mib_s, "load_over_o_direct_read"))
-        else:
-            out[name] = _restarts(repeats, lambda ck=ck: drop_cache(ck), args, env, import_s, read_mib_s,
-                                  "load_over_o_direct_read")
+            envs[THP] = dict(env, THP_MEM_ALLOC_ENABLE="1")
+        out.update(_restarts(repeats, lambda ck=ck: drop_cache(ck), args, envs, import_s, read_mib_s,
+                             "load_over_o_direct_read"))
         if name == "concurrent":  # the same restart, handed to a warm standby that paid the imports before
             with warm.running(str(folder / "warm.sock"), env=env):
-                out[WARM] = _restarts(repeats, lambda ck=ck: drop_cache(ck), args,
-                                      dict(env, PYRECOVER_WARM=str(folder / "warm.sock")), import_s, read_mib_s,
-                                      "load_over_o_direct_read")
+                out.update(_restarts(repeats, lambda ck=ck: drop_cache(ck), args,
+                                     {WARM: dict(env, PYRECOVER_WARM=str(folder / "warm.sock"))}, import_s,
+                                     read_mib_s, "load_over_o_direct_read"))
     out[TIER] = bench_tier_resume(folder, steps, repeats, base, env, import_s, memcpy_mib_s)
     return out
 
 
-def _restarts(repeats: int, before, args: list[str], env, import_s: float, read_mib_s: float, ratio: str) -> dict:
-    """``repeats`` restarts of train.py ``args`` (``before()`` readies each): its `recovery:` and `resumed from` lines,
-    against the floor `import torch` + reading the state at ``read_mib_s``; ``ratio`` names load ÷ that bandwidth.
-    ``env``: one environment, or ``{name: environment}`` to compare, alternated restart by restart (then one result
-    per name)."""
-    variants = env if all(isinstance(v, dict) for v in env.values()) else {"": env}
-    recov: dict = {k: [] for k in variants}
-    loads: dict = {k: [] for k in variants}
+def _restarts(repeats: int, before, args: list[str], envs: dict[str, dict], import_s: float, read_mib_s: float,
+              ratio: str) -> dict[str, dict]:
+    """``repeats`` restarts of train.py ``args`` in each of ``envs`` (by name), alternated restart by restart
+    (``before()`` readies each): its `recovery:` and `resumed from` lines, against the floor `import torch` + reading
+    the state at ``read_mib_s``; ``ratio`` names load ÷ that bandwidth. One result per name."""
+    recov: dict = {k: [] for k in envs}
+    loads: dict = {k: [] for k in envs}
     mib = 0.0
     for _ in range(repeats):
-        for k, e in variants.items():
+        for k, env in envs.items():
             before()
-            text = _train(args, e)
+            text = _train(args, env)
             recov[k].append(float(RECOVERY.search(text).group(1)))
             m = RESUMED.search(text)
             mib = float(m.group(1))
             loads[k].append(mib / float(m.group(2)))
     floor = import_s + mib / read_mib_s
-    out = {k: {"recovery_s": med(recov[k]), "load_mib_s": med(loads[k]), "state_mib": mib, "floor_s": floor,
-               "recovery_over_floor": statistics.median(recov[k]) / floor,
-               ratio: statistics.median(loads[k]) / read_mib_s} for k in variants}
-    return out[""] if "" in out else out
+    return {k: {"recovery_s": med(recov[k]), "load_mib_s": med(loads[k]), "state_mib": mib, "floor_s": floor,
+                "recovery_over_floor": statistics.median(recov[k]) / floor,
+                ratio: statistics.median(loads[k]) / read_mib_s} for k in envs}
 
 
 TIER = "local tier (/dev/shm)"
@@ -309,7 +306,7 @@ def bench_tier_resume(folder: Path, steps: int, repeats: int, base: list[str], e
         shutil.copytree(local, pristine, symlinks=True)
         return _restarts(repeats, restore, base + tier + ["--training-steps", str(steps + 1),
                                                           "--resume-from-checkpoint", "latest"],
-                         env, import_s, memcpy_mib_s, "load_over_memcpy")
+                         {TIER: env}, import_s, memcpy_mib_s, "load_over_memcpy")[TIER]
     finally:
         shutil.rmtree(local, ignore_errors=True)
         shutil.rmtree(pristine, ignore_errors=True)
