@@ -255,6 +255,42 @@ def test_files_are_torch_save_format(tmp_path, monkeypatch, zip64):
     assert loaded["w"].data_ptr() == loaded["tied"].data_ptr()  # aliases stay aliases, stored once
 
 
+def test_a_parsed_file_owns_its_memory_and_a_file_swapped_after_verification_is_not_parsed(tmp_path, monkeypatch):
+    """parse_file maps the verified file again to parse it, then copies its storages out: the loaded tensors hold
+    neither the file (deleted or rewritten, nothing changes, and no mapping of it is left) nor each other (views of one
+    storage stay views of one copy). A file renamed over the verified one in between is not what gets parsed."""
+    from checkpoint.backends import torchfile
+    from checkpoint.backends.torchfile import parse_file, save_pieces
+
+    calls = []  # which way each parse went: the file's own mapping (True) or the verified bytes (False)
+    real = torchfile.load_weights_only
+    monkeypatch.setattr(torchfile, "load_weights_only", lambda f, where, **kw: calls.append(kw.get("mmap", False))
+                        or real(f, where, **kw))
+    w = torch.arange(24, dtype=torch.float32).view(4, 6)
+    expected = {"model.pt": {"w": w, "tied": w, "row": w[1], "step": torch.tensor(3.0), "ids": torch.arange(5)}}
+    rec = save_pieces(tmp_path, expected, rank=0)["model.pt"]
+    path = tmp_path / "model.pt"
+    data = fsio.read_verified(path, rec["size"], "xxh3_64", rec["xxh3_64"])
+    assert fsio.verified_identity(data) == (path.stat().st_dev, path.stat().st_ino)
+    loaded = parse_file(path, data)
+    del data
+    _assert_equal(expected["model.pt"], loaded)
+    assert loaded["w"].data_ptr() == loaded["tied"].data_ptr() == loaded["row"].data_ptr() - 6 * 4
+    path.write_bytes(b"\0" * rec["size"])  # rewritten in place, then removed: the loaded values do not change
+    path.unlink()
+    _assert_equal(expected["model.pt"], loaded)
+    assert str(path) not in Path("/proc/self/maps").read_text()
+
+    rec = save_pieces(tmp_path, expected, rank=0)["model.pt"]
+    data = fsio.read_verified(path, rec["size"], "xxh3_64", rec["xxh3_64"])
+    (tmp_path / "other").mkdir()
+    save_pieces(tmp_path / "other", {"model.pt": {"w": torch.zeros(2)}}, rank=0)
+    (tmp_path / "other" / "model.pt").rename(path)  # another file under the verified name
+    assert calls == [True]
+    _assert_equal(expected["model.pt"], parse_file(path, data))  # the verified bytes are what is parsed
+    assert calls == [True, False]
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_writers_record_what_lands_on_disk(tmp_path, monkeypatch, direct):
     """Unaligned pieces, aligned pieces, a partial last page: the file holds exactly the bytes written (the O_DIRECT

@@ -6,6 +6,7 @@ pieces, the just-in-time save and reader.py."""
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import torch
 
 from .. import layout, storage
 from ..errors import CheckpointError, first_line
-from ..fsio import MemoryFile
+from ..fsio import MemoryFile, verified_identity
 from ..logs import EVERY_RANK
 from ..state import CheckpointState
 
@@ -98,9 +99,53 @@ def safe_load(path: Path, record: dict | None = None, algorithm: str = "", *, mm
     return load_weights_only(MemoryFile(memoryview(data)), str(path))
 
 
+# A verified file is parsed from a second, private mapping of that same file (torch.load(mmap=True), opened through
+# /proc/self/fd: the name cannot be swapped for another file in between), and each of its storages is then copied once
+# into memory of its own. That copy is torch's: on every intra-op thread and without the GIL, so it runs while the
+# verifier reads the next file. Parsing from a file object copies each storage in one thread under the GIL: the
+# verified load of `small` (224 MiB) took 0.30 s that way against 0.24 s this way from a cold page cache, 0.18 against
+# 0.14 s from /dev/shm (2 cores, medians of 8). Most of what is left is the kernel faulting in the new pages.
+_PROC_FD = Path("/proc/self/fd")
+
+
 def parse_file(path: Path, data: memoryview) -> Any:
-    """A verified file's bytes as its load reads them (Backend.parse_file)."""
+    """A verified file's bytes as its load reads them (Backend.parse_file), in memory of their own."""
+    identity = verified_identity(data)
+    if identity is not None and _PROC_FD.is_dir():
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            fd = -1  # gone, or a link now, since it verified: what verified is parsed instead
+        if fd >= 0:
+            try:
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) == identity:
+                    return _owned(load_weights_only(f"{_PROC_FD}/{fd}", str(path), mmap=True), {})
+            finally:
+                os.close(fd)
     return load_weights_only(MemoryFile(data), str(path))
+
+
+def _owned(value: Any, copies: dict) -> Any:
+    """``value`` (modified in place) with every tensor moved out of the file's mapping: each storage copied once, so
+    views of one storage stay views of one copy, and nothing the load keeps holds the file open (a deleted
+    checkpoint's disk space, a tmpfs tier's memory) or sees it change."""
+    if isinstance(value, torch.Tensor):
+        if type(value) is not torch.Tensor or value.layout != torch.strided:
+            return value.clone()
+        storage = value.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in copies:
+            copies[key] = storage.clone()
+        return torch.empty(0, dtype=value.dtype).set_(copies[key], value.storage_offset(), value.size(), value.stride())
+    if isinstance(value, dict):
+        for k, v in value.items():
+            value[k] = _owned(v, copies)
+    elif isinstance(value, list):
+        value[:] = [_owned(v, copies) for v in value]
+    elif type(value) is tuple:
+        return tuple(_owned(v, copies) for v in value)
+    return value
 
 
 def read_section(step_dir: Path, manifest: dict, section: str) -> dict[str, Any]:
