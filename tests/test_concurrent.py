@@ -13,7 +13,6 @@ import re
 import sys
 import threading
 import zipfile
-import zlib
 from pathlib import Path
 
 import pytest
