@@ -110,20 +110,29 @@ _PROC_FD = Path("/proc/self/fd")
 
 def parse_file(path: Path, data: memoryview) -> Any:
     """A verified file's bytes as its load reads them (Backend.parse_file), in memory of their own."""
-    identity = verified_identity(data)
-    if identity is not None and _PROC_FD.is_dir():
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            fd = -1  # gone, or a link now, since it verified: what verified is parsed instead
-        if fd >= 0:
-            try:
-                st = os.fstat(fd)
-                if (st.st_dev, st.st_ino) == identity:
-                    return _owned(load_weights_only(f"{_PROC_FD}/{fd}", str(path), mmap=True), {})
-            finally:
-                os.close(fd)
-    return load_weights_only(MemoryFile(data), str(path))
+    fd = _reopen_verified(path, verified_identity(data))
+    if fd < 0:
+        return load_weights_only(MemoryFile(data), str(path))
+    try:
+        return _owned(load_weights_only(f"{_PROC_FD}/{fd}", str(path), mmap=True), {})
+    finally:
+        os.close(fd)
+
+
+def _reopen_verified(path: Path, identity: tuple[int, int] | None) -> int:
+    """An open descriptor of ``path`` if it is still the file that verified (device and inode), else -1: gone, a link
+    now or another file since, or no /proc to map it through. Then the verified bytes are parsed instead."""
+    if identity is None or not _PROC_FD.is_dir():
+        return -1
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return -1
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != identity:
+        os.close(fd)
+        return -1
+    return fd
 
 
 def _owned(value: Any, copies: dict) -> Any:
