@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tempfile
 
 import pytest
 
 from helpers import PY, ROOT, LogLines, env_for_tests
+
+NEEDS_GIB = 8
 
 
 @pytest.fixture(autouse=True)
@@ -30,6 +33,12 @@ def corpus(tmp_path_factory) -> str:
     subprocess.run([PY, "-c", f"import dataset as d; d.load_tokens({str(out)!r}, d.load_tokenizer(d.DEFAULT_TOKENIZER))"],
                    check=True, env=env_for_tests(), cwd=ROOT, capture_output=True, timeout=600)
     return str(out)
+
+
+def pytest_report_header(config):
+    # A full disk fails tests far from its cause ("run ended before step 7"): the header says how much there was.
+    free = shutil.disk_usage(tempfile.gettempdir()).free
+    return f"free disk under {tempfile.gettempdir()}: {free / 2**30:.1f} GiB (a run needs about {NEEDS_GIB} GiB at a time)"
 
 
 def pytest_configure(config):
