@@ -59,7 +59,7 @@ PY = sys.executable
 # --eval-windows 0: the checkpoint path alone, as the figures in docs/benchmarks.md were measured (the card's evaluation
 # forward at each save is measured on its own, docs/checkpointing.md "Validation by prediction").
 TRAIN_ARGS = ["--model", "small", "--batch-size", "2", "--sequence-length", "64", "--eval-windows", "0"]
-RANKS = 2
+RANKS = 2  # --ranks: each rank runs one compute thread (OMP_NUM_THREADS=1), so on 2 cores 2 ranks leave none free
 KEEP_DIR = ROOT / "checkpoints" / "goodput"
 
 # dcp async has two modes (a thread or a process persists in the background): both run, the better is reported.
@@ -85,7 +85,7 @@ S3: dict = {"uri": None, "env": {}}
 #: the variables of the configuration now running (a warm standby's socket)
 EXTRA_ENV: dict = {}
 #: --launcher direct: the ranks start as srun starts them (benchmarks/launch.py), not under torchrun's agent
-LAUNCHER: dict = {"direct": False}
+LAUNCHER: dict = {"direct": False, "ranks": RANKS}
 FAMILIES = {"dcp async": tuple(DCP_ASYNC_MODES)}
 PROJECT_MTBF = {"5 min": 300.0, "1 h": 3600.0, "1 day": 86400.0}
 
@@ -117,8 +117,9 @@ def train_cmd(ckpt_dir: Path, steps: int, every: int, flags: list[str], dataset:
     if tiered:
         flags += ["--local-checkpoint-frequency", str(every)]
         every *= SHARED_FACTOR
-    launcher = ([PY, "benchmarks/launch.py", "--nproc", str(RANKS), "--"] if LAUNCHER["direct"] else
-                [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS)])
+    ranks = LAUNCHER["ranks"]
+    launcher = ([PY, "benchmarks/launch.py", "--nproc", str(ranks), "--"] if LAUNCHER["direct"] else
+                [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)])
     return [*launcher, "train.py", "--distributed", *TRAIN_ARGS, "--dataset", dataset, "--training-steps", str(steps),
             "--checkpoint-frequency", str(every), "--checkpoint-dir", shared or str(ckpt_dir), "--exp-name", "run",
             "--resume-from-checkpoint", "latest",
@@ -382,7 +383,7 @@ def render(res: dict) -> str:
         f"`{res['command']}` — {res['date']}, commit {m['commit']}, {m['cores']} cores ({m['cpu']}), torch "
         f"{m['torch']}, Python {m['python']}; load average {m['load_start']:.1f} at the start, {m['load_end']:.1f} at "
         f"the end; {res['duration_s'] / 60:.1f} min.", "",
-        f"`train.py {' '.join(TRAIN_ARGS)}` on {RANKS} gloo ranks ("
+        f"`train.py {' '.join(TRAIN_ARGS)}` on {a.get('ranks', RANKS)} gloo rank{'s' if a.get('ranks', RANKS) > 1 else ''} ("
         + ("started as srun starts them, `benchmarks/launch.py`: no torchrun agent" if a.get("launcher") == "direct"
            else "`torchrun --standalone`") + f"), {a['steps']} steps, "
         "`--resume-from-checkpoint latest`. Kills: SIGKILL of the launcher and every rank "
@@ -575,9 +576,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--launcher", choices=["torchrun", "direct"], default="torchrun",
                    help="how each start launches the ranks: torchrun's agent (default; it imports torch at every "
                         "start), or direct = as srun does under SLURM (benchmarks/launch.py, no torch import)")
+    p.add_argument("--ranks", type=int, default=RANKS,
+                   help=f"training ranks, one compute thread each (default {RANKS}: every core of this 2-core machine "
+                        "trains; 1 leaves a core to the background saves and the S3 server, as a GPU node's host "
+                        "cores are left to them)")
     p.add_argument("--quick", action="store_true", help="a short smoke run: few steps, MTBF 10 s")
     args = p.parse_args(argv)
-    LAUNCHER["direct"] = args.launcher == "direct"
+    if args.ranks < 1:
+        p.error("--ranks must be at least 1")
+    LAUNCHER.update(direct=args.launcher == "direct", ranks=args.ranks)
     # SIGTERM unwinds like Ctrl-C, so the job running now is killed and the work folder removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     q = args.quick
