@@ -2,8 +2,9 @@
 
     list DIR [--local LOCAL]
                    every step folder under an experiment folder: step, tokens, loss, eval loss, time, size, status
-                   (latest, the --keep-best ones, just-in-time saves); with --local (or DIR itself), this node's
-                   local tier of the run, <--local-checkpoint-dir>/<experiment>: each rank's parts
+                   (latest, the --keep-best ones, just-in-time saves); with --local LOCAL (the run's
+                   --local-checkpoint-dir), this node's local tier of the run: each rank's parts (DIR itself may be
+                   a run's folder in a local tier)
     verify PATH    check sizes and checksums of one step folder, or of every committed one under DIR (exit 1 if bad)
     inspect PATH   what a checkpoint holds: manifest, card, files, tensors of the model section
     convert SRC DST --to vanilla|dcp
@@ -27,6 +28,7 @@ from .errors import CheckpointError
 from .fsio import MiB
 from .convert import FORMATS
 from .reader import check_each, read_section, targets as _targets
+from .tier import tier_root
 
 
 def _card(info: layout.CheckpointInfo) -> dict:
@@ -49,6 +51,8 @@ def _num(x, fmt: str = ".4f") -> str:
 def cmd_list(path: Path, local: Path | None = None) -> int:
     if local is None and _rank_dirs(path):
         return _list_local(path)
+    if local is not None:
+        local = _local_run_folder(local, path)
     infos = layout.list_checkpoints(path)
     if not infos and local is not None:
         print(f"no checkpoints under {path} yet")
@@ -93,6 +97,11 @@ def cmd_list(path: Path, local: Path | None = None) -> int:
     return _list_local(local) if local is not None else 0
 
 
+def _local_run_folder(local: Path, run) -> Path:
+    """The run's folder in the local tier ``local`` (its --local-checkpoint-dir, or that folder itself)."""
+    return local if _rank_dirs(local) else tier_root(local, run.name, str(run))
+
+
 def _rank_dirs(path: Path) -> list[Path]:
     """The rank folders of a node-local tier folder (tier.py), if ``path`` is one."""
     return sorted(p for p in path.iterdir() if p.is_dir() and re.fullmatch(r"rank-\d{5,}", p.name)) \
@@ -104,8 +113,8 @@ def _list_local(folder: Path) -> int:
     restart on a step every rank holds)."""
     ranks = _rank_dirs(folder)
     if not ranks:
-        raise CheckpointError(f"no local tier under {folder} (expected <--local-checkpoint-dir>/<experiment> holding "
-                              "rank-N folders)")
+        raise CheckpointError(f"no local tier of this run at {folder} (expected the run's --local-checkpoint-dir, "
+                              "whose <experiment>-<key> folder holds rank-N folders)")
     print(f"\nlocal tier {folder} (this node):")
     print(f"{'rank':>6} {'step':>10}  {'size MiB':>9}  status")
     for rank_dir in ranks:
@@ -176,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("list", "verify", "inspect"):
         sub.add_parser(name).add_argument("path", type=storage.as_path)
     sub.choices["list"].add_argument("--local", type=Path, default=None, metavar="LOCAL",
-                                     help="also this node's local tier of the run: <--local-checkpoint-dir>/<experiment>")
+                                     help="also this node's local tier of the run: its --local-checkpoint-dir")
     conv = sub.add_parser("convert", help="rewrite a checkpoint in another backend's format")
     conv.add_argument("src", help="step folder, or experiment folder (its latest)")
     conv.add_argument("dst", help="experiment folder (result: DST/step-N) or a step-N folder")

@@ -82,7 +82,7 @@ class CheckpointManager:
         if mirror is not None:
             mirror.guard = self._guard
         self.tier = tier  # --local-checkpoint-dir: every save lands there first; some are drained here (tier.py)
-        self._drainer = Drainer(tier, self._land) if tier is not None else None
+        self._drainer = Drainer(tier, self._land, self._drain_failed) if tier is not None else None
         if tier is not None:  # every save lands in the local tier: overwrite its retired files there
             backend.spares = tier.spares
         self._fenced_logged = False
@@ -105,14 +105,14 @@ class CheckpointManager:
         step_dir = self._writing.save_dir(self.root, self.run_id, step) if shared else None
         if step_dir is not None:
             self._prepare_everywhere(step, step_dir)
-        write_dir = step_dir
+        local_dir = None  # the local tier's staging folder, once it exists (only that one is the tier's to discard)
         try:
             if tier is not None:  # fenced: the local publish refuses (its guard), as the shared commit does
-                write_dir = tier.save_dir(self.run_id, step)
+                local_dir = tier.save_dir(self.run_id, step)
                 tier.check_space(lambda: part_bytes(state, self.backend.writes_shared))
-            payload = self.backend.save(write_dir, state)
+            payload = self.backend.save(local_dir or step_dir, state)
         except (OSError, CheckpointError) as e:
-            raise self._save_failed(step, step_dir, e, local=write_dir if tier is not None else None) from None
+            raise self._save_failed(step, step_dir, e, local=local_dir, in_tier=tier is not None) from None
         record = SaveRecord(step, blocking_s=time.perf_counter() - t0)
 
         def finish() -> None:
@@ -121,10 +121,10 @@ class CheckpointManager:
                 if tier is None:
                     self._land(step, step_dir, files, meta=meta, record=record, t0=t0)
                     return
-                tier.commit(write_dir, step, files, backend=self.backend.name, run_id=self.run_id, meta=meta or {},
+                tier.commit(local_dir, step, files, backend=self.backend.name, run_id=self.run_id, meta=meta or {},
                             guard=self._guard)
             except (OSError, CheckpointError) as e:
-                error = self._save_failed(step, step_dir, e, local=write_dir if tier is not None else None)
+                error = self._save_failed(step, step_dir, e, local=local_dir, in_tier=tier is not None)
                 if isinstance(error, Fenced):  # e.g. the new owner swept our staging folder mid-write
                     self._note_fenced(error)
                     return
@@ -139,7 +139,7 @@ class CheckpointManager:
                 self._drainer.submit(step, step_dir, meta=meta, record=record, t0=t0)
             try:
                 tier.retain(self._drainer.protected() | {h.step for h in list(self.in_flight) if h.step != step},
-                            self._guard, own_staging=write_dir.parent.name)
+                            self._guard, own_staging=local_dir.parent.name)
             except Fenced as e:
                 self._note_fenced(e)
 
@@ -258,11 +258,12 @@ class CheckpointManager:
         self._writing.prepare(step_dir)
 
     def _save_failed(self, step: int, step_dir: Path | None, e: OSError | CheckpointError, *,
-                     local: Path | None = None) -> CheckpointError:
+                     local: Path | None = None, in_tier: bool = False) -> CheckpointError:
         """Clean up after a failed save; the one-line error to raise (Fenced if a newer incarnation took over: then the
         failure is a consequence of that, and nothing is cleaned up -- the run directory is no longer ours).
-        ``local``: the save failed in the local tier, in that staging folder (``step_dir``: the shared tier's, if the
-        step was to be drained, where the other ranks must learn that this part will not come)."""
+        ``in_tier``: the save failed in the local tier, ``local`` its staging folder if it got that far (``step_dir``:
+        the shared tier's, if the step was to be drained, where the other ranks must learn that this part will not
+        come)."""
         if isinstance(e, Fenced):
             return e
         if self.fenced:
@@ -273,7 +274,13 @@ class CheckpointManager:
             self._abandon(step_dir, e)
         if not isinstance(e, OSError):
             return e
-        return self._io_error(step, e, *((self.tier.root.parent.parent, "--local-checkpoint-dir") if local else ()))
+        return self._io_error(step, e, *((self.tier.root.parent.parent, "--local-checkpoint-dir") if in_tier else ()))
+
+    def _drain_failed(self, step_dir: Path, e: OSError | CheckpointError) -> None:
+        """This rank's copy from the local tier failed: the shared tier's folder is abandoned, unless the run directory
+        is no longer ours."""
+        if not isinstance(e, Fenced) and not self.fenced:
+            self._abandon(step_dir, e)
 
     def _abandon(self, step_dir: Path, e: OSError | CheckpointError) -> None:
         """A save failed on this rank. Rank 0 removes the uncommitted folder (a full disk gets its space back for the next

@@ -3,7 +3,7 @@ writing and reading run at memory or NVMe speed; some of those steps are drained
 (``--checkpoint-dir``) in the background; a restart loads each rank's part from the nearest tier that holds the newest
 step every rank can load.
 
-    <local-dir>/<experiment>/rank-00003/
+    <local-dir>/<experiment>-<key>/rank-00003/     key: of the shared run folder (run_folder_name)
         step-00000012/          this rank's files of step 12, committed like any checkpoint (manifest, COMMITTED;
                                 verified before a load): rank-00003.pt, and on the node's first rank (its *leader*) the
                                 shared pieces too (model.pt, optimizer.pt, ...), which every rank of the node loads
@@ -25,10 +25,12 @@ collective ``.metadata`` and is refused with the local tier (backends.combinatio
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import queue
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -53,15 +55,24 @@ def rank_dir_name(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
-def tier_root(local_dir, experiment: str) -> Path:
-    return Path(local_dir) / experiment
+def run_folder_name(origin: str, experiment: str) -> str:
+    """The run's folder in a local tier: its experiment name and a key of the shared run folder it caches. Two runs of
+    one experiment name on a node (another --checkpoint-dir, the same --local-checkpoint-dir) each get their own, so
+    neither sweeps, retires or counts the other's steps."""
+    where = origin if "://" in origin else os.path.realpath(origin)
+    return f"{experiment}-{hashlib.sha256(where.encode()).hexdigest()[:8]}"
+
+
+def tier_root(local_dir, experiment: str, origin: str) -> Path:
+    """``origin``: the shared tier's run folder (``<--checkpoint-dir>/<experiment>``, a path or an s3:// URI)."""
+    return Path(local_dir) / run_folder_name(origin, experiment)
 
 
 class LocalTier:
     """This rank's folder in its node's local tier, and its node leader's (read-only)."""
 
     def __init__(self, local_dir, experiment: str, rank: RankInfo, *, leader: int, identity: dict, keep: int = 2):
-        base = tier_root(local_dir, experiment)
+        base = tier_root(local_dir, experiment, str(identity.get("origin", "")))
         self.root = base / rank_dir_name(rank.rank)
         self.leader_root = base / rank_dir_name(leader)
         self.rank, self.leader, self.keep = rank, leader, max(keep, 1)
@@ -182,14 +193,23 @@ class LocalTier:
             layout.recover(self.root, own_staging)
 
     def clear(self) -> None:
-        """Remove this rank's folder (a fresh start, or a clean end: everything is in the shared tier)."""
+        """Empty this rank's folder (a fresh start, or a clean end: everything is in the shared tier) of what PyRecover
+        wrote there: its steps, staging folders and spares. Anything else stays, and so do the folders holding it."""
         for info in layout.list_checkpoints(self.root):
             self._remove(info, "")
-        shutil.rmtree(self.root, ignore_errors=True)
-        try:
-            self.root.parent.rmdir()  # the run's folder, once every rank of the node has cleared its own
-        except OSError:
-            pass
+        for p in list(self.root.iterdir()) if self.root.is_dir() else []:  # interrupted saves, trash
+            if p.name.startswith((layout.STAGING_PREFIX, layout.TRASH_PREFIX)) and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+        shutil.rmtree(self.spares.dir, ignore_errors=True)
+        for folder in (self.root, self.root.parent):  # the run's folder, once every rank of the node has cleared its own
+            try:
+                folder.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                if folder == self.root:
+                    _log.warning(f"warning: local tier: {folder} keeps files PyRecover did not write; remove them")
+                return
 
     def _remove(self, info: layout.CheckpointInfo, why: str) -> None:
         try:
@@ -224,7 +244,9 @@ class Spares:
             try:
                 make_dirs(self.dir)
                 for f in sorted(step_dir.iterdir()):
-                    if f.suffix == ".pt" and not f.is_symlink() and f.is_file() and f.stat().st_size >= self.MIN_BYTES:
+                    st = f.lstat()
+                    # a file with another name too (a hard link someone made to keep the step) is not ours to overwrite
+                    if f.suffix == ".pt" and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size >= self.MIN_BYTES:
                         os.rename(f, self.dir / f"{uuid.uuid4().hex[:12]}.spare")
                 spares = self._list()
                 for _, f in spares[:-self.LIMIT] if len(spares) > self.LIMIT else ():
@@ -278,11 +300,13 @@ def everywhere(local: dict[int, layout.CheckpointInfo], gather: Callable[[object
 
 class Drainer:
     """One background thread per rank: copies this rank's part of a locally committed step into the shared tier,
-    then calls ``land(step, files)`` (the part record; rank 0 commits there). Steps drain in order; ``wait`` returns
-    once every queued step has landed, re-raising the first error (also at ``poll``)."""
+    then calls ``land(step, files)`` (the part record; rank 0 commits there). A copy that fails calls
+    ``abandon(shared_dir, error)`` instead (a failure record: rank 0 gives up on that step at once, not after its
+    commit timeout), and the step stays protected from local retention: the local tier still holds it. Steps drain in
+    order; ``wait`` returns once every queued step has landed, re-raising the first error (also at ``poll``)."""
 
-    def __init__(self, tier: LocalTier, land: Callable[..., None]):
-        self.tier, self.land = tier, land
+    def __init__(self, tier: LocalTier, land: Callable[..., None], abandon: Callable[..., None]):
+        self.tier, self.land, self.abandon = tier, land, abandon
         self.pending: set[int] = set()
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
@@ -306,18 +330,25 @@ class Drainer:
             if item is None:
                 return
             step, shared_dir, land_args = item
+            landed = False
             try:
                 if self._error is None:
                     files = {}
-                    for name, (src, record, algorithm) in self.tier.drain_files(step).items():
-                        files[name] = _copy_checked(src, record, algorithm, shared_dir / name)
-                        time.sleep(knobs.drain_delay_s())  # test-only: a slow shared tier
+                    try:
+                        for name, (src, record, algorithm) in self.tier.drain_files(step).items():
+                            files[name] = _copy_checked(src, record, algorithm, shared_dir / name)
+                            time.sleep(knobs.drain_delay_s())  # test-only: a slow shared tier
+                    except (OSError, CheckpointError) as e:
+                        self.abandon(shared_dir, e)
+                        raise
                     self.land(step, shared_dir, files, **land_args)
+                    landed = True
             except BaseException as e:  # noqa: BLE001 - re-raised in the training thread (poll/wait)
                 self._error = self._error or e
             finally:
-                with self._lock:
-                    self.pending.discard(step)
+                if landed or self._error is None:
+                    with self._lock:
+                        self.pending.discard(step)
                 self._queue.task_done()
 
     def poll(self) -> None:

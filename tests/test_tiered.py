@@ -33,6 +33,13 @@ def _args(corpus: str, ckpt: Path, local: Path | None) -> list[str]:
     return args
 
 
+def _tier(local: Path, ckpt: Path) -> Path:
+    """The run's folder in the local tier ``local`` (tier.py: its experiment name and a key of its shared folder)."""
+    from checkpoint.tier import tier_root
+
+    return tier_root(local, "run", str(ckpt / "run"))
+
+
 def _resumed(output: str) -> tuple[int, str]:
     """(step, where) of the `resumed from` line."""
     m = re.search(r"resumed from (\S+) \(step (\d+), \w+ backend; ([^,]+(?:, \d+ from the shared tier)?)", output)
@@ -65,14 +72,15 @@ def test_whole_job_kills_resume_from_the_local_tier_then_a_swapped_node_from_the
     csv = ckpt / "run" / "loss.csv"
 
     kill_run_at_row(torchrun_cmd(2, args), csv, first, env=env)
-    assert sorted(p.name for p in (local / "run").iterdir()) == ["rank-00000", "rank-00001"]
-    held = [{int(p.name[5:]) for p in (local / "run" / f"rank-0000{r}").glob("step-*") if (p / "COMMITTED").exists()}
+    mine = _tier(local, ckpt)
+    assert sorted(p.name for p in mine.iterdir()) == ["rank-00000", "rank-00001"]
+    held = [{int(p.name[5:]) for p in (mine / f"rank-0000{r}").glob("step-*") if (p / "COMMITTED").exists()}
             for r in (0, 1)]
     common = sorted(held[0] & held[1])
     assert common and first - LOCAL_EVERY <= common[-1] <= first + 1, (first, held)
     expect = common[-1]
     if len(common) > 1:  # rank 1's copy of the newest common step is corrupted: both ranks take the one before
-        damaged = local / "run" / "rank-00001" / f"step-{common[-1]:08d}" / "rank-00001.pt"
+        damaged = mine / "rank-00001" / f"step-{common[-1]:08d}" / "rank-00001.pt"
         data = damaged.read_bytes()
         damaged.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
         expect = common[-2]
@@ -84,14 +92,14 @@ def test_whole_job_kills_resume_from_the_local_tier_then_a_swapped_node_from_the
     assert (ckpt / "run" / f"step-{step:08d}" / "COMMITTED").exists(), "the restored step was not drained"
 
     # rank 0 died after the forward pass of step second+1 (the job's other rank with it): rank 1's node is replaced
-    shutil.rmtree(local / "run" / "rank-00001")
+    shutil.rmtree(mine / "rank-00001")
     out = run_torchrun(2, args, check=True, env=TWO_NODES)
     step, where = _resumed(out.stdout + out.stderr)
     assert step == SHARED_EVERY and "from the shared tier" in where, (step, where)
     final = ckpt / "run" / f"step-{STEPS:08d}"
     assert check_weights(final, reference / f"step-{STEPS:08d}", "--optimizer").returncode == 0
     assert loss_rows(csv) == loss_rows(reference / "loss.csv")
-    assert not (local / "run").exists(), "a clean end leaves the local tier empty"
+    assert not mine.exists(), "a clean end leaves the local tier empty"
 
 
 def test_a_kill_during_a_local_write_falls_back_to_the_previous_local_step(tmp_path, corpus):
@@ -101,7 +109,7 @@ def test_a_kill_during_a_local_write_falls_back_to_the_previous_local_step(tmp_p
     args = _args(corpus, ckpt, local)
     proc = run_train(args, env={"PYRECOVER_FAULT": "after_write_before_fsync:15"})  # the 3rd local save's 1st files
     assert proc.returncode == -9, proc.stderr[-2000:]
-    mine = local / "run" / "rank-00000"
+    mine = _tier(local, ckpt) / "rank-00000"
     interrupted = [int(p.name[5:]) for p in mine.glob(".staging-*/step-*")]
     committed = [int(p.name[5:]) for p in mine.glob("step-*") if (p / "COMMITTED").exists()]
     assert len(interrupted) == 1 and committed and max(committed) == interrupted[0] - LOCAL_EVERY, (interrupted,
@@ -117,14 +125,30 @@ def test_a_kill_during_a_local_write_falls_back_to_the_previous_local_step(tmp_p
 
 
 def test_a_local_tier_of_another_run_is_never_used(tmp_path, corpus):
-    """The run folder deleted after a kill, then started again with `latest`: the local steps belong to the run that
-    was deleted (another lineage), so the new run starts fresh and removes them."""
+    """Other runs on the same --local-checkpoint-dir, with the same experiment name, after a kill left local steps:
+    1. a run with another --checkpoint-dir, from a fresh start to its clean end: it keeps a folder of its own there,
+       and reads, retires and removes none of the killed run's files;
+    2. the killed run's shared folder deleted, then started again with `latest`: its local steps belong to the run
+       that was deleted (another lineage), so the new run starts fresh and removes them."""
     ckpt, local = tmp_path / "ckpt", tmp_path / "local"
     args = _args(corpus, ckpt, local)
     proc = run_train(args, env={"PYRECOVER_CRASH_AT_STEP": "9"})
     assert proc.returncode == -9
-    assert list((local / "run" / "rank-00000").glob("step-*")), "the killed run left no local step"
-    listing = subprocess.run([PY, "-m", "checkpoint", "list", str(ckpt / "run"), "--local", str(local / "run")],
+    mine = _tier(local, ckpt)
+    assert list((mine / "rank-00000").glob("step-*")), "the killed run left no local step"
+
+    def tree() -> dict:
+        return {str(p.relative_to(mine)): (p.stat().st_ino, p.read_bytes()) for p in sorted(mine.rglob("*"))
+                if p.is_file()}
+
+    held = tree()
+    other = tmp_path / "other"
+    run_train(_args(corpus, other, local) + ["--training-steps", "4"], check=True)
+    assert (other / "run" / "step-00000004" / "COMMITTED").exists()
+    assert tree() == held, "another run changed the killed run's local tier"
+    assert sorted(p.name for p in local.iterdir()) == [mine.name], "the other run left its local folder behind"
+
+    listing = subprocess.run([PY, "-m", "checkpoint", "list", str(ckpt / "run"), "--local", str(local)],
                              capture_output=True, text=True, cwd=ROOT, env=env_for_tests(), timeout=120)
     assert listing.returncode == 0, listing.stderr
     assert re.search(r"^\s+0\s+8\s+48\.0  valid  \(with the replicated pieces: node leader\)$", listing.stdout, re.M), \
@@ -164,7 +188,7 @@ def test_a_retired_local_step_gives_its_files_to_the_next_save(tmp_path):
     from checkpoint.fsio import atomic_write, checksum_file
     from checkpoint.tier import LocalTier
 
-    tier = LocalTier(tmp_path, "run", RankInfo(0, 1), leader=0, identity={})
+    tier = LocalTier(tmp_path, "run", RankInfo(0, 1), leader=0, identity={"origin": str(tmp_path / "shared" / "run")})
     step = tier.root / layout.step_dir_name(2)
     step.mkdir(parents=True)
     (step / "model.pt").write_bytes(os.urandom(3 << 20))
@@ -192,3 +216,54 @@ def test_a_retired_local_step_gives_its_files_to_the_next_save(tmp_path):
         layout.remove_step_dir(foreign, "move them out", salvage=tier.spares.give)
     assert (foreign / layout.COMMITTED).exists() and (foreign / "model.pt").exists()
     assert list(tier.spares.dir.iterdir()) == []
+
+    # a payload file with a second name (a hard link made to keep the step) is not a spare: it is never overwritten
+    pinned = tier.root / layout.step_dir_name(6)
+    pinned.mkdir()
+    kept = os.urandom(2 << 20)
+    (pinned / "model.pt").write_bytes(kept)
+    (pinned / layout.COMMITTED).write_text("")
+    os.link(pinned / "model.pt", tmp_path / "my-copy.pt")
+    layout.remove_step_dir(pinned, "why", salvage=tier.spares.give)
+    assert list(tier.spares.dir.iterdir()) == [] and (tmp_path / "my-copy.pt").read_bytes() == kept
+
+    # a clean end empties the rank's folder of what PyRecover wrote, and of nothing else
+    (foreign / "notes.txt").unlink()
+    out.unlink()
+    (tier.root / ".staging-0123abcd" / "step-00000008").mkdir(parents=True)
+    tier.spares.give(foreign)
+    (tier.root / "README.mine").write_text("mine")
+    tier.clear()
+    assert sorted(p.name for p in tier.root.iterdir()) == ["README.mine"]
+    (tier.root / "README.mine").unlink()
+    tier.clear()
+    assert not tier.root.parent.exists(), "an emptied run folder is removed"
+
+
+def test_a_failed_drain_gives_up_on_the_shared_step_at_once_and_keeps_the_local_one(tmp_path):
+    """A local file changed after its commit: its drain fails, the shared tier's folder is abandoned at once (a
+    failure record there, so rank 0 does not wait out its commit timeout), the error comes back to the training
+    thread, and the step stays protected from local retention (the local tier still holds it)."""
+    from checkpoint.backends import RankInfo
+    from checkpoint.errors import CheckpointError
+    from checkpoint.fsio import atomic_write_bytes
+    from checkpoint.tier import Drainer, LocalTier
+
+    tier = LocalTier(tmp_path / "local", "run", RankInfo(0, 1), leader=0,
+                     identity={"origin": str(tmp_path / "shared")})
+    staged = tier.save_dir("0123abcd", 2)
+    files = {"model.pt": atomic_write_bytes(staged / "model.pt", os.urandom(1 << 20))}
+    published = tier.commit(staged, 2, files, backend="vanilla", run_id="0123abcd", meta={}, guard=lambda what: None)
+    (published / "model.pt").write_bytes(b"changed after its commit")
+    landed, abandoned = [], []
+    drainer = Drainer(tier, lambda *args, **kwargs: landed.append(args),
+                      lambda where, error: abandoned.append((where, str(error))))
+    shared = tmp_path / "shared" / "step-00000002"
+    shared.mkdir(parents=True)
+    drainer.submit(2, shared)
+    with pytest.raises(CheckpointError, match="changed since its local commit"):
+        drainer.wait()
+    drainer.close()
+    assert not landed and [where for where, _ in abandoned] == [shared], abandoned
+    assert "changed since its local commit" in abandoned[0][1]
+    assert drainer.protected() == {2}
