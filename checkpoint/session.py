@@ -276,15 +276,18 @@ class Session:
             self.manager.close()
         except CheckpointError as e:
             self._save_failed(e, step)
-        # A newer incarnation took the run directory over (rank 0 knows): this one committed nothing since, and must
-        # neither requeue nor report success.
-        if self.agree(1.0 if self.manager.fenced else 0.0) > 0:
+        # One all-reduce, the worst on any rank: a newer incarnation took the run directory over (rank 0 knows), so
+        # this one committed nothing since and must neither requeue nor report success; or a rank's final save failed
+        # (--on-save-error continue), so no rank may report success and clear its local tier.
+        failed = self._failed_at is not None and self._failed_at >= (self._saved_at or 0)
+        verdict = self.agree(2.0 if self.manager.fenced else 1.0 if failed else 0.0)
+        if verdict >= 2:
             why = self.lease.fenced_message if self.lease is not None else "taken over"
             return FENCED, f"error: stopped at step {step}: {why}"
-        if self._failed_at is not None and self._failed_at >= (self._saved_at or 0):
+        if verdict >= 1:
+            where = f"at step {self._failed_at}" if failed else "on another rank"
             return FINAL_SAVE_FAILED, (f"error: training reached step {step} but its final checkpoint could not be "
-                                       f"saved (save failed at step {self._failed_at}); resume from `latest` repeats "
-                                       "the steps since")
+                                       f"saved (save failed {where}); resume from `latest` repeats the steps since")
         return None
 
     def finish(self, step: int) -> str:
