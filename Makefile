@@ -1,5 +1,6 @@
 # PyRecover — the two commands: `make train` and `make test`.
-# CPU machines get the CPU build of torch 2.13.0; machines with an NVIDIA driver keep/get their normal CUDA torch.
+# CPU machines get torch 2.13.0 (TORCH_CPU: add `--index-url https://download.pytorch.org/whl/cpu` for the CPU-only
+# build where PyPI would give the CUDA one, docs/install.md); machines with an NVIDIA driver get their normal CUDA torch.
 
 VENV     ?= .venv
 PY       := $(VENV)/bin/python
