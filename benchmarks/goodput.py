@@ -378,12 +378,13 @@ def machine() -> dict:
 def render(res: dict) -> str:
     m, a = res["machine"], res["args"]
     t0 = res["t0_s"]
+    ranks = a.get("ranks", RANKS)  # reports of earlier runs record no --ranks
     lines = [
         "# Goodput under failures", "",
         f"`{res['command']}` — {res['date']}, commit {m['commit']}, {m['cores']} cores ({m['cpu']}), torch "
         f"{m['torch']}, Python {m['python']}; load average {m['load_start']:.1f} at the start, {m['load_end']:.1f} at "
         f"the end; {res['duration_s'] / 60:.1f} min.", "",
-        f"`train.py {' '.join(TRAIN_ARGS)}` on {a.get('ranks', RANKS)} gloo rank{'s' if a.get('ranks', RANKS) > 1 else ''} ("
+        f"`train.py {' '.join(TRAIN_ARGS)}` on {ranks} gloo rank{'s' if ranks > 1 else ''} ("
         + ("started as srun starts them, `benchmarks/launch.py`: no torchrun agent" if a.get("launcher") == "direct"
            else "`torchrun --standalone`") + f"), {a['steps']} steps, "
         "`--resume-from-checkpoint latest`. Kills: SIGKILL of the launcher and every rank "

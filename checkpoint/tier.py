@@ -72,7 +72,7 @@ class LocalTier:
     """This rank's folder in its node's local tier, and its node leader's (read-only)."""
 
     def __init__(self, local_dir, experiment: str, rank: RankInfo, *, leader: int, identity: dict, keep: int = 2):
-        base = tier_root(local_dir, experiment, str(identity.get("origin", "")))
+        base = tier_root(local_dir, experiment, str(identity["origin"]))
         self.root = base / rank_dir_name(rank.rank)
         self.leader_root = base / rank_dir_name(leader)
         self.rank, self.leader, self.keep = rank, leader, max(keep, 1)
@@ -197,19 +197,19 @@ class LocalTier:
         wrote there: its steps, staging folders and spares. Anything else stays, and so do the folders holding it."""
         for info in layout.list_checkpoints(self.root):
             self._remove(info, "")
-        for p in list(self.root.iterdir()) if self.root.is_dir() else []:  # interrupted saves, trash
-            if p.name.startswith((layout.STAGING_PREFIX, layout.TRASH_PREFIX)) and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
+        self._writing.sweep(self.root, own_staging="", guard=layout.no_guard)  # interrupted saves, trash
         shutil.rmtree(self.spares.dir, ignore_errors=True)
-        for folder in (self.root, self.root.parent):  # the run's folder, once every rank of the node has cleared its own
-            try:
-                folder.rmdir()
-            except FileNotFoundError:
-                pass
-            except OSError:
-                if folder == self.root:
-                    _log.warning(f"warning: local tier: {folder} keeps files PyRecover did not write; remove them")
-                return
+        try:
+            self.root.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            _log.warning(f"warning: local tier: {self.root} keeps files PyRecover did not write; remove them")
+            return
+        try:
+            self.root.parent.rmdir()  # the run's folder, once every rank of the node has cleared its own
+        except OSError:
+            pass
 
     def _remove(self, info: layout.CheckpointInfo, why: str) -> None:
         try:
@@ -346,7 +346,7 @@ class Drainer:
             except BaseException as e:  # noqa: BLE001 - re-raised in the training thread (poll/wait)
                 self._error = self._error or e
             finally:
-                if landed or self._error is None:
+                if landed:  # else not drained: the local step stays protected
                     with self._lock:
                         self.pending.discard(step)
                 self._queue.task_done()
