@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -157,19 +158,21 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 def kill_run_at_row(cmd: list[str], csv: Path, row: int, *, env: dict | None = None, cwd: Path = ROOT,
-                    timeout: float = 300) -> None:
-    """Start a run and SIGKILL it -- torchrun and every rank, like a node loss -- once the loss CSV shows `row` steps."""
+                    timeout: float = 300, ready: Callable[[], bool] | None = None) -> int:
+    """Start a run and SIGKILL it -- torchrun and every rank, like a node loss -- once the loss CSV shows `row` steps
+    and ``ready()`` (if given) holds, e.g. an asynchronous save has landed. The rows seen when the kill was sent."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env or env_for_tests(),
                             cwd=cwd, start_new_session=True)
     deadline = time.monotonic() + timeout
     try:
-        while csv_rows(csv) < row:
+        while (seen := csv_rows(csv)) < row or (ready is not None and not ready()):
             assert proc.poll() is None, f"run ended (rc {proc.returncode}) before step {row}"
             assert time.monotonic() < deadline, "timed out waiting for the run to reach the kill step"
             time.sleep(0.01)
     finally:
         kill_tree(proc)
-    assert csv_rows(csv) < row + 2  # nothing kept training after the kill
+    assert csv_rows(csv) < seen + 2  # nothing kept training after the kill
+    return seen
 
 
 class LogLines(list):

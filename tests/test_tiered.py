@@ -71,13 +71,20 @@ def test_whole_job_kills_resume_from_the_local_tier_then_a_swapped_node_from_the
     args, env = _args(corpus, ckpt, local) + ["--checkpoint-backend", "concurrent"], env_for_tests(TWO_NODES)
     csv = ckpt / "run" / "loss.csv"
 
-    kill_run_at_row(torchrun_cmd(2, args), csv, first, env=env)
     mine = _tier(local, ckpt)
+
+    def committed() -> list[set[int]]:
+        return [{int(p.name[5:]) for p in (mine / f"rank-0000{r}").glob("step-*") if (p / "COMMITTED").exists()}
+                for r in (0, 1)]
+
+    # The local saves commit in the background: the kill waits until the save of the last local step before row
+    # `first` has committed on both ranks, so the restart's step is known to within one local interval.
+    killed = kill_run_at_row(torchrun_cmd(2, args), csv, first, env=env,
+                             ready=lambda: max(set.intersection(*committed()), default=0) >= first - LOCAL_EVERY)
     assert sorted(p.name for p in mine.iterdir()) == ["rank-00000", "rank-00001"]
-    held = [{int(p.name[5:]) for p in (mine / f"rank-0000{r}").glob("step-*") if (p / "COMMITTED").exists()}
-            for r in (0, 1)]
+    held = committed()
     common = sorted(held[0] & held[1])
-    assert common and first - LOCAL_EVERY <= common[-1] <= first + 1, (first, held)
+    assert common and first - LOCAL_EVERY <= common[-1] <= killed + 1, (first, killed, held)
     expect = common[-1]
     if len(common) > 1:  # rank 1's copy of the newest common step is corrupted: both ranks take the one before
         damaged = mine / "rank-00001" / f"step-{common[-1]:08d}" / "rank-00001.pt"
