@@ -154,6 +154,7 @@ def preflight(args: argparse.Namespace, env: distributed.DistEnv, signals: Signa
         trackers.check(args)
     session = Session(checkpoint_settings(args, env), env, signals=signals, started=started,
                       agree=lambda v: distributed.all_reduce_max(v, env))
+    session.read_ahead(args.resume_from_checkpoint)  # a restart's read overlaps the rest of the setup, until the load
     tokenizer, windows, config, held_out = check_inputs(args, env, session)
     session.check_writable()
     prepared = Prepared(tokenizer, windows, config, held_out, session)

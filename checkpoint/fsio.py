@@ -299,7 +299,8 @@ def read_verified(path: Path, size: int, algorithm: str, expected: str) -> memor
     0.39 s), at a tenth of the CPU of an O_DIRECT read into fresh memory, whose pages the kernel must zero first.
     The mapping remembers which file it is (:func:`verified_identity`)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a link swapped in after layout.member's check: refused
+        # a link swapped in after layout.member's check: refused; a FIFO: opened without waiting, then refused
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise CheckpointError(f"{path} is a symbolic link; a checkpoint's files must be inside its folder, never "
@@ -329,6 +330,49 @@ def read_verified(path: Path, size: int, algorithm: str, expected: str) -> memor
     if h.hexdigest() != expected:
         raise CheckpointError(f"{path} fails its checksum ({algorithm}): the file is corrupted")
     return data
+
+
+class ReadAhead:
+    """Reads ``files`` ((path, size) pairs) through the page cache in a background thread, dropping the bytes, so a
+    restart's checkpoint read overlaps the setup before its load (importing torch's compiler stack, building the model,
+    a process group's rendezvous). A hint only: nothing read here is trusted or kept; the load still reads and verifies
+    every byte (read_verified), from the cache where this got there first. ``stop()`` ends it after the chunk in
+    progress: what it read stays cached, and the load reads the rest itself (never the same bytes twice at once)."""
+
+    def __init__(self, files: list[tuple[Path, int]]):
+        self.files, self.bytes_read = files, 0
+        self.nbytes = sum(size for _, size in files)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pyrecover-read-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        buf = bytearray(min(_CHUNK, max((size for _, size in self.files), default=0)))
+        for path, size in self.files:
+            if self._stop.is_set():
+                break
+            try:  # never through a link, and never waiting for a FIFO's writer (the verify refuses both)
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:
+                continue  # the load names what is wrong with it, in its words
+            try:
+                offset = 0 if stat.S_ISREG(os.fstat(fd).st_mode) else size  # a regular file, as the load insists
+                while offset < size and not self._stop.is_set():
+                    n = os.preadv(fd, [buf], offset)
+                    if n <= 0:
+                        break
+                    offset += n
+                    self.bytes_read += n
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+    def stop(self) -> int:
+        """End the read-ahead; the bytes it read."""
+        self._stop.set()
+        self._thread.join()
+        return self.bytes_read
 
 
 class MemoryFile(io.RawIOBase):

@@ -10,6 +10,8 @@ Knob (environment variable)                    Read by                          
 ---------------------------------------------  -----------------------------------  -----------  -------------------
 PYRECOVER_DIRECT_IO=off                        fsio.py                              user-facing  direct_io_disabled()
   buffered checkpoint writes even where O_DIRECT works (also 0/false/no; default ``auto``). Read at every call.
+PYRECOVER_READ_AHEAD=off                       session.py (Session.read_ahead)      user-facing  read_ahead_disabled()
+  a restart does not read its checkpoint ahead while it sets up (also 0/false/no; default on). Read per call.
 PYRECOVER_FAULT=<point>[:<n>[:error]]          fsio.py, layout.py, backends/dcp.py, test-only    fault_point()
                                                backends/concurrent.py
   SIGKILL this process the n-th time (default 1st) it reaches fault point <point> (``FAULT_POINTS``); with
@@ -85,6 +87,11 @@ def _seconds(name: str, default: float, environ: Mapping[str, str] | None) -> fl
 def direct_io_disabled(environ: Mapping[str, str] | None = None) -> bool:
     """PYRECOVER_DIRECT_IO=off (or 0/false/no): buffered checkpoint writes even where O_DIRECT works. Read per call."""
     return _env(environ).get("PYRECOVER_DIRECT_IO", "auto").lower() in _OFF
+
+
+def read_ahead_disabled(environ: Mapping[str, str] | None = None) -> bool:
+    """PYRECOVER_READ_AHEAD=off (or 0/false/no): a restart reads its checkpoint only when it loads it. Read per call."""
+    return _env(environ).get("PYRECOVER_READ_AHEAD", "on").lower() in _OFF
 
 
 # --- test-only: pacing and slow disks ---------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ touches bytes; the caller never sees either.
 The life of a run, every call on every rank unless noted:
 
     session = Session(settings, rank, agree=...)   # refusals first: backend combination, mirror place
+    session.read_ahead(spec)                       # a restart's read starts now, in the background, until open
     session.check_writable()                       # rank 0: the run folder can be written
     session.take(before_force=...)                 # rank 0: the lease; a live holder is fenced only with force
     step = session.open(spec, state)               # crashed incarnations' leftovers swept, ``spec`` loaded (or None)
@@ -25,8 +26,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from . import knobs, layout, lease as run_lease, slurm, storage
-from .backends import RankInfo, check_combination, make_backend
+from . import fsio, knobs, layout, lease as run_lease, slurm, storage
+from .backends import RankInfo, backend_class, check_combination, make_backend
 from .errors import CheckpointError
 from .jit import JustInTime, NoJIT
 from .manager import CheckpointManager, SaveRecord
@@ -34,7 +35,7 @@ from .mirror import Mirror, refusal as mirror_refusal
 from .policy import FINISHED, NONE, SignalWatcher, When, step_boundary
 from .reader import section_reader
 from .state import CheckpointState, RunInfo
-from .tier import LocalTier
+from .tier import LocalTier, rank_dir_name, tier_root
 
 _log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class Session:
         self.state: CheckpointState | None = None
         self._saved_at: int | None = None
         self._failed_at: int | None = None  # --on-save-error continue: the final checkpoint must still exist
+        self._read_ahead: tuple[Path, fsio.ReadAhead] | None = None  # a restart's step folder, read while setting up
 
     # --- the run directory ---------------------------------------------------------------------------------------
     def check_writable(self) -> None:
@@ -162,9 +164,48 @@ class Session:
             pass
         return None
 
+    def read_ahead(self, spec: str | None) -> None:
+        """Start reading, in the background, what this rank's load of ``spec`` will most likely read: the newest
+        committed step as listed now (not verified: the load verifies, as always). A restart's read then overlaps its
+        setup until ``open``. Only a shared tier on a filesystem (an object store is read by the load), and not when
+        this rank's node-local tier holds that step or a newer one (the load takes that copy). PYRECOVER_READ_AHEAD=off
+        turns it off."""
+        if not spec or not self.filesystem or knobs.read_ahead_disabled():
+            return
+        try:
+            if spec == "latest":
+                found = [i for r in self._roots() for i in layout.list_checkpoints(r) if i.committed]
+                if not found:
+                    return
+                step_dir = max(found, key=lambda i: i.step).path  # on a tie the run folder, as resolve_latest
+            else:
+                step_dir = self.root / layout.step_dir_name(int(spec)) if spec.isdigit() else storage.as_path(spec)
+            if not storage.medium(step_dir).filesystem or not step_dir.is_dir():
+                return
+            manifest = layout.read_manifest(step_dir)
+            if self.settings.local_dir:
+                mine = tier_root(self.settings.local_dir, self.settings.experiment, str(self.root)) / rank_dir_name(
+                    self.rank.rank)
+                if any(i.committed and i.step >= manifest["step"] for i in layout.list_checkpoints(mine)):
+                    return
+            names = backend_class(manifest["backend"]).files_read(manifest, self.rank.rank)
+            files = [(layout.member(step_dir, n, manifest), int(manifest["files"][n]["size"])) for n in names]
+        except (OSError, CheckpointError, KeyError, ValueError, TypeError):
+            return  # the load says what is wrong, in its words
+        if files:
+            self._read_ahead = step_dir, fsio.ReadAhead(files)
+
+    def _end_read_ahead(self) -> None:
+        if self._read_ahead is not None:
+            (step_dir, ahead), self._read_ahead = self._read_ahead, None
+            read = ahead.stop()
+            _log.info(f"read ahead {read / fsio.MiB:.1f} of {ahead.nbytes / fsio.MiB:.1f} MiB of {step_dir} while "
+                      "setting up")
+
     def open(self, spec: str | None, state: CheckpointState) -> int | None:
         """Sweep what crashed incarnations left, then restore ``state`` from ``spec`` (`latest`, a step, a path; None:
         start fresh). Returns the step (None: nothing loaded). Nothing the run committed has moved yet."""
+        self._end_read_ahead()
         s, main = self.settings, self.rank.is_main
         # One id per incarnation (part records, staging folder) and the lease's generation (fencing), on every rank.
         run_id = self.rank.from_main([uuid.uuid4().hex[:12], self.lease.generation if self.lease else 0,

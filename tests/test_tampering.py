@@ -5,6 +5,7 @@ PyRecover did not write is ever deleted, and no sealed value is trusted unchecke
 test is named by its class:
 - outside_folder: a resealed manifest (or DCP .metadata) naming a file outside the step folder, every backend;
 - symlinked_shard: a payload file that is a symbolic link to an identical file elsewhere;
+- special_file: a payload file replaced by a FIFO (nothing may wait on it);
 - symlinked_step_folder: a step folder that is a link to a checkpoint elsewhere (neither loaded nor deleted through);
 - absurd_sealed_value: values no run writes (step 10**400, world size 10**30, a step that is not the folder's, a card
   that is a list);
@@ -149,6 +150,20 @@ def test_symlinked_shard_is_refused_even_with_identical_bytes(backend, runs, cor
     assert out.returncode == 1 and "symbolic link" in text and shard.name in text, text
     if backend == "dcp":  # one resume per class suffices: the three backends share the check (layout.member)
         _resumes_from(corpus, ck, backend, 15)
+
+
+# --- special_file ------------------------------------------------------------------------------------------------
+
+
+def test_special_file_a_payload_replaced_by_a_fifo_is_skipped_without_waiting_on_it(runs, corpus, tmp_path):
+    """A FIFO where a payload file was (the manifest untouched): opening it for reading would wait for a writer that
+    never comes. Neither the restart's read-ahead nor its verify waits on it: `latest` skips the step."""
+    ck, exp = _copy(runs, "vanilla", tmp_path)
+    shard = _step(exp, 20) / "model.pt"
+    shard.unlink()
+    os.mkfifo(shard)
+    text = _resumes_from(corpus, ck, "vanilla", 15)
+    assert any("skipping" in line and "step-00000020" in line for line in text.splitlines()), text[-4000:]
 
 
 # --- symlinked_step_folder ---------------------------------------------------------------------------------------

@@ -172,6 +172,12 @@ class Backend(ABC):
     parse_file: Callable[[Path, memoryview], Any] | None = None
 
     @staticmethod
+    def files_read(manifest: dict, rank: int) -> list[str]:
+        """The manifest's files that a load on ``rank`` reads whole: what a restart reads ahead while it sets up
+        (Session.read_ahead). The default: none known before the load plans its reads (DCP)."""
+        return []
+
+    @staticmethod
     def write_pieces(step_dir: Path, pieces: dict[str, dict], rank: int) -> dict[str, dict]:
         """Write ``{file name: state dict}`` as this rank's files, durably; return their records. Formats of one
         torch file per piece only (the just-in-time save writes the run's files this way, manager.save_alone)."""

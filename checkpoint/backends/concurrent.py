@@ -50,7 +50,7 @@ from ..knobs import fault_point, persist_delay_s
 from ..state import CheckpointState
 from .base import ASYNC_ALWAYS, Backend, PayloadHandle, RankInfo
 from .torchzip import FilePlan, Plan, plan_pieces
-from .torchfile import load_pieces, parse_file, payload_pieces, read_section
+from .torchfile import files_read, load_pieces, parse_file, payload_pieces, read_section
 
 _log = logging.getLogger(__name__)
 
@@ -277,6 +277,7 @@ class ConcurrentBackend(Backend):
     asynchronous = ASYNC_ALWAYS
     read_section = staticmethod(read_section)  # vanilla's files, in the same zip format
     parse_file = staticmethod(parse_file)
+    files_read = staticmethod(files_read)
 
     def __init__(self, rank: RankInfo, max_async: int = 2, chunk_mib: float = DEFAULT_CHUNK / MiB,
                  pipeline: bool = True, writer_nice: int = 0):

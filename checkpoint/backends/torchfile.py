@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ _log = logging.getLogger(__name__)
 
 def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
+
+
+_RANK_FILE = re.compile(r"rank-\d{5,}\.pt")
 
 
 def _no_zip_crc32() -> None:
@@ -178,6 +182,14 @@ def load_file(step_dir: Path, manifest: dict, name: str, verified: dict[str, mem
     """A manifest-listed torch file of a checkpoint, read from inside its folder and verified (layout.member)."""
     return safe_load(layout.member(step_dir, name, manifest), manifest["files"][name], manifest["checksum"],
                      verified=verified)
+
+
+def files_read(manifest: dict, rank: int) -> list[str]:
+    """What ``load_pieces`` reads on ``rank``: every shared piece, and the rank's own file (rank 0's at a larger world
+    size)."""
+    files = manifest["files"]
+    own = rank_file(rank) if rank_file(rank) in files else rank_file(0)
+    return [name for name in files if name == own or not _RANK_FILE.fullmatch(name)]
 
 
 def load_pieces(step_dir: Path, manifest: dict, state: CheckpointState, rank: int,

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from ..state import CheckpointState
 from .base import Backend, CompletedPayload, PayloadHandle
-from .torchfile import load_pieces, parse_file, payload_pieces, read_section, save_pieces, write_sections
+from .torchfile import (files_read, load_pieces, parse_file, payload_pieces, read_section, save_pieces,
+                        write_sections)
 
 
 class VanillaBackend(Backend):
@@ -20,6 +21,7 @@ class VanillaBackend(Backend):
     write_sections = staticmethod(write_sections)
     write_pieces = staticmethod(save_pieces)
     parse_file = staticmethod(parse_file)
+    files_read = staticmethod(files_read)
 
     def save(self, step_dir: Path, state: CheckpointState) -> PayloadHandle:
         self.check_state(state)

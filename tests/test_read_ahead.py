@@ -1,0 +1,110 @@
+"""What a restart reads ahead while it sets up (Session.read_ahead), in process, through the real Session lifecycle
+and the vanilla backend over a tiny state: the step the load will take, from the tier it will take it from, and
+nothing that is not a regular file inside the step folder. The CLI test (test_resume_and_interrupt, Ctrl-C) shows the
+line through train.py and that the resumed run ends bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import ROOT, LogLines
+
+sys.path.insert(0, str(ROOT))
+from checkpoint import CheckpointState, Session, Settings, When  # noqa: E402
+from checkpoint.backends.base import RankInfo  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60, method="thread")  # a read-ahead that waits on a file fails, not hangs
+
+
+class Value:
+    """A Stateful piece with a MiB of tensor bytes."""
+
+    def __init__(self, v: int = 0):
+        self.v, self.w = v, torch.zeros(1 << 18)
+
+    def state_dict(self) -> dict:
+        return {"v": self.v, "w": self.w}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.v, self.w = state_dict["v"], state_dict["w"]
+
+
+def _session(ck: Path, local: Path | None = None, *, every: int, local_every: int = 0, steps: int = 100) -> Session:
+    settings = Settings(checkpoint_dir=str(ck), when=When(every_steps=every, final_step=steps),
+                        local_dir=str(local) if local else None, local_every=local_every)
+    return Session(settings, RankInfo(), agree=lambda v: v)
+
+
+def _run(session: Session, spec: str | None, last: int) -> tuple[int | None, Value]:
+    """Open (resume ``spec``), train to step ``last`` saving as the settings say, and stop as if killed: the saves
+    are committed, nothing is cleared. Returns the resumed step and the state."""
+    model = Value()
+    session.read_ahead(spec)  # train.py: as soon as the session exists, before the rest of the setup
+    step = session.open(spec, CheckpointState(model=model, dataloader=Value()))
+    session.follow(step)
+    session.start()
+    for s in range((step or 0) + 1, last + 1):
+        model.v = s
+        session.step_boundary(s, describe=dict)
+    session.manager.close()  # every save committed; no finish(): a killed run clears no local tier
+    session.release()
+    return step, model
+
+
+def _read_ahead(logs: LogLines) -> list[tuple[float, float, str]]:
+    """(MiB read, MiB to read, step folder) of each read-ahead line; open() stops it wherever it got to (here at
+    once: nothing sets up in between)."""
+    found = [re.fullmatch(r"read ahead ([\d.]+) of ([\d.]+) MiB of (\S+) while setting up", m) for m in logs]
+    return [(float(m.group(1)), float(m.group(2)), m.group(3)) for m in found if m]
+
+
+def _mib(step_dir: Path) -> float:
+    """What a one-rank load of ``step_dir`` reads: all its payload files."""
+    files = json.loads((step_dir / "manifest.json").read_text())["files"]
+    return round(sum(r["size"] for r in files.values()) / 2 ** 20, 1)
+
+
+def test_a_restart_reads_ahead_the_step_it_loads(tmp_path):
+    ck = tmp_path / "ck"
+    _run(_session(ck, every=4), None, 10)  # steps 4 and 8
+    logs = LogLines()
+    step, state = _run(_session(ck, every=4), "latest", 10)
+    eight, four = ck / "default" / "step-00000008", ck / "default" / "step-00000004"
+    assert (step, state.v) == (8, 10)
+    [(read, total, where)] = _read_ahead(logs)
+    assert (total, where) == (_mib(eight), str(eight)) and total >= 1 and read <= total, list(logs)
+
+    logs = LogLines()
+    step, _ = _run(_session(ck, every=4), "4", 5)  # an explicit step: that one
+    assert step == 4 and [r[1:] for r in _read_ahead(logs)] == [(_mib(four), str(four))], list(logs)
+
+
+def test_a_step_the_local_tier_holds_is_not_read_from_the_shared_tier(tmp_path):
+    ck, local = tmp_path / "ck", tmp_path / "local"
+    _run(_session(ck, local, every=4, local_every=2), None, 7)  # shared: 4; local: 4 and 6
+    logs = LogLines()
+    step, _ = _run(_session(ck, local, every=4, local_every=2), "latest", 8)
+    assert step == 6 and logs.has("from their local tier"), list(logs)
+    assert _read_ahead(logs) == [], list(logs)
+
+
+def test_a_fifo_in_the_step_folder_is_not_waited_on(tmp_path):
+    """A FIFO where a payload was: reading it would wait for a writer forever. The read-ahead passes it by, and the
+    restart skips the step (its verify refuses it) and loads the one before."""
+    ck = tmp_path / "ck"
+    _run(_session(ck, every=4), None, 8)
+    newest = ck / "default" / "step-00000008"
+    (newest / "model.pt").unlink()
+    os.mkfifo(newest / "model.pt")
+    logs = LogLines()
+    step, _ = _run(_session(ck, every=4), "latest", 9)
+    assert step == 4 and logs.has("skipping"), list(logs)
+    assert [r[2] for r in _read_ahead(logs)] == [str(newest)], list(logs)
