@@ -269,30 +269,46 @@ def bench_resume(folder: Path, steps: int, repeats: int, base: list[str], read_m
 SLOW_MIB_S = 200  # a shared filesystem's read bandwidth per node, roughly: far below a local NVMe's
 
 
+def _whole_disk(dev: int) -> str:
+    """"major:minor" of the disk holding device ``dev``: blkio throttles whole disks, not partitions."""
+    node = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if (node / "partition").exists():
+        node = node.resolve().parent
+    return (node / "dev").read_text().strip()
+
+
 @contextlib.contextmanager
 def throttled_reads(folder: Path, mib_s: float):
-    """This process and its children read the disk holding ``folder`` at ``mib_s`` at most (a cgroup v1 blkio
-    throttle: root only); yields None, or why it cannot be done here. Cached pages are not throttled."""
-    st = os.stat(folder)
-    group = Path("/sys/fs/cgroup/blkio") / f"pyrecover-bench-{os.getpid()}"
+    """This process and its children read the disk holding ``folder`` at ``mib_s`` at most, in a cgroup v1 blkio
+    group of their own (root only); yields None, or why it cannot be done here. Cached pages are not throttled."""
     try:
+        here = next(line.split(":", 2)[2].strip() for line in Path("/proc/self/cgroup").read_text().splitlines()
+                    if line.split(":", 2)[1] == "blkio")
+        hierarchy = Path("/sys/fs/cgroup/blkio")
+        home = hierarchy / here.lstrip("/")
+        group = home / f"pyrecover-bench-{os.getpid()}"
+        disk = _whole_disk(os.stat(folder).st_dev)
         group.mkdir()
-    except OSError as e:
-        yield f"no blkio cgroup to throttle reads in ({e.strerror or e}; cgroup v1 and root needed)"
+    except (OSError, StopIteration, IndexError) as e:
+        why = getattr(e, "strerror", None) or e or "cgroup v1 blkio and root needed"
+        yield f"no blkio cgroup to throttle reads in ({why})"
         return
     try:
-        (group / "blkio.throttle.read_bps_device").write_text(
-            f"{os.major(st.st_dev)}:{os.minor(st.st_dev)} {int(mib_s * MiB)}")
+        (group / "blkio.throttle.read_bps_device").write_text(f"{disk} {int(mib_s * MiB)}")
         (group / "cgroup.procs").write_text(str(os.getpid()))
     except OSError as e:
-        group.rmdir()
-        yield f"cannot throttle reads of {folder}'s disk ({e.strerror or e})"
+        with contextlib.suppress(OSError):
+            group.rmdir()
+        yield f"cannot throttle reads of {folder}'s disk {disk} ({e.strerror or e})"
         return
     try:
         yield None
-    finally:
-        (group.parent / "cgroup.procs").write_text(str(os.getpid()))
-        group.rmdir()
+    finally:  # best effort: a leftover group must not hide what happened inside
+        try:
+            (home / "cgroup.procs").write_text(str(os.getpid()))
+            group.rmdir()
+        except OSError as e:
+            print(f"warning: could not remove {group}: {e.strerror or e}", file=sys.stderr)
 
 
 def bench_slow_store(ck: Path, repeats: int, args: list[str], env: dict, import_s: float) -> dict:

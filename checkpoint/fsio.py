@@ -67,7 +67,8 @@ def checksum_bytes(data: bytes | memoryview, algorithm: str = CHECKSUM_ALGORITHM
 def checksum_file(path: Path, algorithm: str = CHECKSUM_ALGORITHM) -> tuple[int, str]:
     """(size, hex checksum) of a file, streamed."""
     h, size = new_hasher(algorithm), 0
-    with open(path, "rb") as f:
+    fd, _ = open_regular(path)  # never through a link, never waiting on a FIFO
+    with open(fd, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
             size += len(chunk)
@@ -291,6 +292,38 @@ def verified_identity(data) -> tuple[int, int] | None:
     return owner.identity if isinstance(owner, VerifiedMap) else None
 
 
+def open_regular(path: Path) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of the regular file at ``path``, and its stat. A symbolic link (one swapped in after
+    layout.member's check) or anything but a regular file is refused (CheckpointError); a FIFO or device is opened
+    without waiting for a writer (O_NONBLOCK) to be refused. A file under a lease being broken (an SMB oplock, an
+    NFSv4 delegation: EAGAIN with O_NONBLOCK) is opened again the ordinary way, which waits for it. Other errors are
+    the OSError they are (a missing file: FileNotFoundError)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except BlockingIOError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"{path} is a symbolic link; a checkpoint's files must be inside its folder, never "
+                                  "links to elsewhere: the checkpoint was tampered with") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path} is not a regular file; the checkpoint was tampered with")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_regular(path: Path) -> bytes:
+    """A small file's bytes (a manifest, a commit marker), through :func:`open_regular`'s checks."""
+    fd, _ = open_regular(path)
+    with open(fd, "rb") as f:
+        return f.read()
+
+
 def read_verified(path: Path, size: int, algorithm: str, expected: str) -> memoryview:
     """A whole file's bytes, hashed as they arrive and checked against the manifest's size and checksum (else
     CheckpointError). The file is mapped read-only with MAP_POPULATE: the kernel reads it ahead in large requests
@@ -299,20 +332,12 @@ def read_verified(path: Path, size: int, algorithm: str, expected: str) -> memor
     0.39 s), at a tenth of the CPU of an O_DIRECT read into fresh memory, whose pages the kernel must zero first.
     The mapping remembers which file it is (:func:`verified_identity`)."""
     try:
-        # a link swapped in after layout.member's check: refused; a FIFO: opened without waiting, then refused
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd, st = open_regular(path)
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise CheckpointError(f"{path} is a symbolic link; a checkpoint's files must be inside its folder, never "
-                                  "links to elsewhere: the checkpoint was tampered with") from None
         raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{path} is not a regular file; the checkpoint was tampered with")
-        actual = st.st_size
-        if actual != size:
-            raise CheckpointError(f"{path} has {actual} bytes, manifest says {size}: truncated or replaced")
+        if st.st_size != size:
+            raise CheckpointError(f"{path} has {st.st_size} bytes, manifest says {size}: truncated or replaced")
         if size == 0:
             data = memoryview(b"")
         else:
@@ -333,30 +358,43 @@ def read_verified(path: Path, size: int, algorithm: str, expected: str) -> memor
 
 
 class ReadAhead:
-    """Reads ``files`` ((path, size) pairs) through the page cache in a background thread, dropping the bytes, so a
-    restart's checkpoint read overlaps the setup before its load (importing torch's compiler stack, building the model,
-    a process group's rendezvous). A hint only: nothing read here is trusted or kept; the load still reads and verifies
-    every byte (read_verified), from the cache where this got there first. ``stop()`` ends it after the chunk in
-    progress: what it read stays cached, and the load reads the rest itself (never the same bytes twice at once)."""
+    """Reads files through the page cache in a background thread, dropping the bytes, so a restart's checkpoint read
+    overlaps the setup before its load (importing torch's compiler stack, building the model, a process group's
+    rendezvous). ``plan()`` runs first, in the thread too (listing folders, reading a manifest: on a shared
+    filesystem these take time as well): it returns what to read, ``(label, [(path, size), ...])``, or None.
 
-    def __init__(self, files: list[tuple[Path, int]]):
-        self.files, self.bytes_read = files, 0
-        self.nbytes = sum(size for _, size in files)
+    A hint only: nothing read here is trusted or kept; the load still reads and verifies every byte (read_verified),
+    from the cache where this got there first. Only regular files are read, never through a link, never waiting on a
+    FIFO (:func:`open_regular`). ``stop()`` ends it after the chunk in progress -- what it read stays cached, and the
+    load reads the rest itself -- or, if it does not end within ``timeout`` (a hung network filesystem), leaves the
+    daemon thread behind."""
+
+    def __init__(self, plan: Callable[[], tuple[str, list[tuple[Path, int]]] | None]):
+        self.label, self.files, self.nbytes, self.bytes_read = "", [], 0, 0
+        self._plan = plan
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pyrecover-read-ahead", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            planned = self._plan()
+        except (OSError, CheckpointError, KeyError, ValueError, TypeError):
+            planned = None  # the load says what is wrong, in its words
+        if planned is None:
+            return
+        self.label, self.files = planned
+        self.nbytes = sum(size for _, size in self.files)
         buf = bytearray(min(_CHUNK, max((size for _, size in self.files), default=0)))
         for path, size in self.files:
             if self._stop.is_set():
                 break
-            try:  # never through a link, and never waiting for a FIFO's writer (the verify refuses both)
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            except OSError:
-                continue  # the load names what is wrong with it, in its words
             try:
-                offset = 0 if stat.S_ISREG(os.fstat(fd).st_mode) else size  # a regular file, as the load insists
+                fd, _ = open_regular(path)
+            except (OSError, CheckpointError):
+                continue
+            try:
+                offset = 0
                 while offset < size and not self._stop.is_set():
                     n = os.preadv(fd, [buf], offset)
                     if n <= 0:
@@ -368,10 +406,15 @@ class ReadAhead:
             finally:
                 os.close(fd)
 
-    def stop(self) -> int:
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until it has read everything (or found nothing to read); False if ``timeout`` passed first."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stop(self, timeout: float = 5.0) -> int:
         """End the read-ahead; the bytes it read."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout)
         return self.bytes_read
 
 

@@ -228,8 +228,8 @@ def read_manifest(step_dir: Path) -> dict:
     if not (step_dir / COMMITTED).exists():
         raise CheckpointError(f"{step_dir} is not committed (no {COMMITTED} marker): it was interrupted while saving")
     try:
-        marker = json.loads((step_dir / COMMITTED).read_text())
-        raw = (step_dir / MANIFEST).read_bytes()
+        marker = json.loads(storage.read_small(step_dir / COMMITTED))
+        raw = storage.read_small(step_dir / MANIFEST)
     except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{step_dir}: unreadable {MANIFEST}/{COMMITTED} ({e})") from None
     # The marker names its algorithm in its key: {"manifest_xxh3_64": ...}, or {"manifest_crc32": ...} from earlier

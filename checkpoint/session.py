@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import fsio, knobs, layout, lease as run_lease, slurm, storage
-from .backends import RankInfo, backend_class, check_combination, make_backend
+from .backends import RankInfo, check_combination, make_backend
 from .errors import CheckpointError
 from .jit import JustInTime, NoJIT
 from .manager import CheckpointManager, SaveRecord
@@ -100,7 +100,7 @@ class Session:
         self.state: CheckpointState | None = None
         self._saved_at: int | None = None
         self._failed_at: int | None = None  # --on-save-error continue: the final checkpoint must still exist
-        self._read_ahead: tuple[Path, fsio.ReadAhead] | None = None  # a restart's step folder, read while setting up
+        self._read_ahead: fsio.ReadAhead | None = None  # a restart's step folder, read while setting up
 
     # --- the run directory ---------------------------------------------------------------------------------------
     def check_writable(self) -> None:
@@ -164,43 +164,60 @@ class Session:
             pass
         return None
 
-    def read_ahead(self, spec: str | None) -> None:
-        """Start reading, in the background, what this rank's load of ``spec`` will most likely read: the newest
-        committed step as listed now (not verified: the load verifies, as always). A restart's read then overlaps its
-        setup until ``open``. Only a shared tier on a filesystem (an object store is read by the load), and not when
-        this rank's node-local tier holds that step or a newer one (the load takes that copy). PYRECOVER_READ_AHEAD=off
-        turns it off."""
+    def read_ahead(self, spec: str | None) -> fsio.ReadAhead | None:
+        """Start reading, in the background, what this rank's load of ``spec`` will most likely read, so a restart's
+        read overlaps its setup until ``open``: the newest committed step as listed now (`latest`), or the step or
+        folder asked for. Not verified, and never trusted: the load verifies, as always. Only a shared tier on a
+        filesystem (an object store is read by the load), and for `latest` not when this rank's node-local tier holds
+        that step or a newer one (the load takes that copy). PYRECOVER_READ_AHEAD=off turns it off. Returns the
+        read-ahead started, if any."""
+        self._end_read_ahead(quiet=True)
         if not spec or not self.filesystem or knobs.read_ahead_disabled():
-            return
+            return None
+        if not spec.isdigit() and spec != "latest" and not storage.medium(spec).filesystem:
+            return None
         try:
-            if spec == "latest":
-                found = [i for r in self._roots() for i in layout.list_checkpoints(r) if i.committed]
-                if not found:
-                    return
-                step_dir = max(found, key=lambda i: i.step).path  # on a tie the run folder, as resolve_latest
-            else:
-                step_dir = self.root / layout.step_dir_name(int(spec)) if spec.isdigit() else storage.as_path(spec)
-            if not storage.medium(step_dir).filesystem or not step_dir.is_dir():
-                return
-            manifest = layout.read_manifest(step_dir)
-            if self.settings.local_dir:
-                mine = tier_root(self.settings.local_dir, self.settings.experiment, str(self.root)) / rank_dir_name(
-                    self.rank.rank)
-                if any(i.committed and i.step >= manifest["step"] for i in layout.list_checkpoints(mine)):
-                    return
-            names = backend_class(manifest["backend"]).files_read(manifest, self.rank.rank)
-            files = [(layout.member(step_dir, n, manifest), int(manifest["files"][n]["size"])) for n in names]
-        except (OSError, CheckpointError, KeyError, ValueError, TypeError):
-            return  # the load says what is wrong, in its words
-        if files:
-            self._read_ahead = step_dir, fsio.ReadAhead(files)
+            self._read_ahead = fsio.ReadAhead(lambda: self._read_ahead_plan(spec))
+        except RuntimeError as e:  # no thread to be had (a process limit): the load reads it all, as before
+            _log.debug(f"read-ahead not started: {e}")
+        return self._read_ahead
 
-    def _end_read_ahead(self) -> None:
-        if self._read_ahead is not None:
-            (step_dir, ahead), self._read_ahead = self._read_ahead, None
+    def _read_ahead_plan(self, spec: str) -> tuple[str, list[tuple[Path, int]]] | None:
+        """(the step folder, [(file, size)]) the read-ahead reads; on its own thread (listing and a manifest take time
+        on a shared filesystem too). It imports nothing: an import on a second thread can meet the main thread's
+        imports in the interpreter's import locks."""
+        if spec == "latest":
+            found = [i for r in self._roots() for i in layout.list_checkpoints(r) if i.committed]
+            if not found:
+                return None
+            step_dir = max(found, key=lambda i: i.step).path  # on a tie the run folder, as resolve_latest
+        elif spec.isdigit():
+            step_dir = self.root / layout.step_dir_name(int(spec))
+        else:
+            step_dir = storage.as_path(spec)
+            if step_dir.name in (layout.MANIFEST, layout.COMMITTED) or step_dir.is_file():
+                step_dir = step_dir.parent  # as layout.resolve takes it
+        # a linked step folder is never loaded (layout.resolve, list_checkpoints): nothing is read through it
+        if not storage.medium(step_dir).filesystem or storage.is_link(step_dir) or not step_dir.is_dir():
+            return None
+        manifest = layout.read_manifest(step_dir)
+        if spec == "latest" and self.settings.local_dir:  # the load takes a local copy of that step or a newer one
+            mine = tier_root(self.settings.local_dir, self.settings.experiment, str(self.root)) / rank_dir_name(
+                self.rank.rank)
+            if any(i.committed and i.step >= manifest["step"] for i in layout.list_checkpoints(mine)):
+                return None
+        if manifest["backend"] != self.backend.name:  # another backend's format: its module is not imported here
+            return None
+        names = self.backend.files_read(manifest, self.rank.rank)
+        return str(step_dir), [(layout.member(step_dir, n, manifest), int(manifest["files"][n]["size"])) for n in names]
+
+    def _end_read_ahead(self, quiet: bool = False) -> None:
+        ahead, self._read_ahead = self._read_ahead, None
+        if ahead is not None:
             read = ahead.stop()
-            _log.info(f"read ahead {read / fsio.MiB:.1f} of {ahead.nbytes / fsio.MiB:.1f} MiB of {step_dir} while "
-                      "setting up")
+            if ahead.label and not quiet:
+                _log.info(f"read ahead {read / fsio.MiB:.1f} of {ahead.nbytes / fsio.MiB:.1f} MiB of {ahead.label} "
+                          "while setting up")
 
     def open(self, spec: str | None, state: CheckpointState) -> int | None:
         """Sweep what crashed incarnations left, then restore ``state`` from ``spec`` (`latest`, a step, a path; None:

@@ -20,6 +20,8 @@ from helpers import ROOT, LogLines
 sys.path.insert(0, str(ROOT))
 from checkpoint import CheckpointState, Session, Settings, When  # noqa: E402
 from checkpoint.backends.base import RankInfo  # noqa: E402
+from checkpoint.errors import CheckpointError  # noqa: E402
+from checkpoint.fsio import ReadAhead  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60, method="thread")  # a read-ahead that waits on a file fails, not hangs
 
@@ -47,7 +49,9 @@ def _run(session: Session, spec: str | None, last: int) -> tuple[int | None, Val
     """Open (resume ``spec``), train to step ``last`` saving as the settings say, and stop as if killed: the saves
     are committed, nothing is cleared. Returns the resumed step and the state."""
     model = Value()
-    session.read_ahead(spec)  # train.py: as soon as the session exists, before the rest of the setup
+    ahead = session.read_ahead(spec)  # train.py: as soon as the session exists, before the rest of the setup
+    if ahead is not None:  # here nothing sets up in between: let it finish, so what it read is known
+        assert ahead.wait(timeout=30)
     step = session.open(spec, CheckpointState(model=model, dataloader=Value()))
     session.follow(step)
     session.start()
@@ -60,8 +64,7 @@ def _run(session: Session, spec: str | None, last: int) -> tuple[int | None, Val
 
 
 def _read_ahead(logs: LogLines) -> list[tuple[float, float, str]]:
-    """(MiB read, MiB to read, step folder) of each read-ahead line; open() stops it wherever it got to (here at
-    once: nothing sets up in between)."""
+    """(MiB read, MiB to read, step folder) of each read-ahead line."""
     found = [re.fullmatch(r"read ahead ([\d.]+) of ([\d.]+) MiB of (\S+) while setting up", m) for m in logs]
     return [(float(m.group(1)), float(m.group(2)), m.group(3)) for m in found if m]
 
@@ -79,12 +82,15 @@ def test_a_restart_reads_ahead_the_step_it_loads(tmp_path):
     step, state = _run(_session(ck, every=4), "latest", 10)
     eight, four = ck / "default" / "step-00000008", ck / "default" / "step-00000004"
     assert (step, state.v) == (8, 10)
-    [(read, total, where)] = _read_ahead(logs)
-    assert (total, where) == (_mib(eight), str(eight)) and total >= 1 and read <= total, list(logs)
+    assert _read_ahead(logs) == [(_mib(eight), _mib(eight), str(eight))] and _mib(eight) >= 1, list(logs)
 
     logs = LogLines()
     step, _ = _run(_session(ck, every=4), "4", 5)  # an explicit step: that one
-    assert step == 4 and [r[1:] for r in _read_ahead(logs)] == [(_mib(four), str(four))], list(logs)
+    assert step == 4 and _read_ahead(logs) == [(_mib(four), _mib(four), str(four))], list(logs)
+
+    logs = LogLines()  # a file of the step folder, as --resume-from-checkpoint PATH takes it: its folder
+    step, _ = _run(_session(ck, every=4), str(four / "manifest.json"), 5)
+    assert step == 4 and _read_ahead(logs) == [(_mib(four), _mib(four), str(four))], list(logs)
 
 
 def test_a_step_the_local_tier_holds_is_not_read_from_the_shared_tier(tmp_path):
@@ -108,3 +114,42 @@ def test_a_fifo_in_the_step_folder_is_not_waited_on(tmp_path):
     step, _ = _run(_session(ck, every=4), "latest", 9)
     assert step == 4 and logs.has("skipping"), list(logs)
     assert [r[2] for r in _read_ahead(logs)] == [str(newest)], list(logs)
+
+
+def test_a_fifo_as_the_commit_marker_is_not_waited_on(tmp_path):
+    """The same with the step's COMMITTED a FIFO: the read-ahead's choice and the load's verify pass it by."""
+    ck = tmp_path / "ck"
+    _run(_session(ck, every=4), None, 8)
+    newest = ck / "default" / "step-00000008"
+    (newest / "COMMITTED").unlink()
+    os.mkfifo(newest / "COMMITTED")
+    logs = LogLines()
+    step, _ = _run(_session(ck, every=4), "latest", 9)
+    assert step == 4 and logs.has("COMMITTED is not a regular file"), list(logs)
+    assert _read_ahead(logs) == [], list(logs)  # nothing read ahead: the newest step's marker could not be read
+
+
+def test_the_reader_reads_regular_files_only_never_through_a_link_never_waiting_on_a_fifo(tmp_path):
+    (tmp_path / "a.pt").write_bytes(b"x" * 5000)
+    (tmp_path / "outside.pt").write_bytes(b"y" * 7000)
+    (tmp_path / "link.pt").symlink_to(tmp_path / "outside.pt")
+    os.mkfifo(tmp_path / "fifo.pt")
+    files = [(tmp_path / n, 7000) for n in ("fifo.pt", "link.pt", "missing.pt")] + [(tmp_path / "a.pt", 5000)]
+    ahead = ReadAhead(lambda: ("here", files))
+    assert ahead.wait(timeout=30) and ahead.stop() == 5000 and ahead.nbytes == 26000
+
+
+def test_a_linked_step_folder_is_not_read_through(tmp_path):
+    """`--resume-from-checkpoint 8` where step-00000008 is a link to a checkpoint elsewhere: the load refuses it
+    (layout.resolve), and the read-ahead reads nothing through it."""
+    ck = tmp_path / "ck"
+    _run(_session(ck, every=4), None, 8)
+    run = ck / "default"
+    elsewhere = tmp_path / "elsewhere"
+    (run / "step-00000008").rename(elsewhere)
+    (run / "step-00000008").symlink_to(elsewhere)
+    session = _session(ck, every=4)
+    ahead = session.read_ahead("8")
+    assert ahead.wait(timeout=30) and ahead.label == "" and ahead.bytes_read == 0
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        session.open("8", CheckpointState(model=Value(), dataloader=Value()))

@@ -51,6 +51,11 @@ def read_checked(path, size: int, algorithm: str, expected: str) -> memoryview:
     return medium(path).read_checked(path, size, algorithm, expected)
 
 
+def read_small(path) -> bytes:
+    """A small file whole (a manifest, a commit marker); on a filesystem only a regular file, never through a link."""
+    return medium(path).read_small(path)
+
+
 def read_chunks(path) -> Iterator[bytes]:
     return medium(path).read_chunks(path)
 
@@ -94,5 +99,5 @@ def rmtree(path) -> None:
 
 
 __all__ = ["MEDIA", "Medium", "S3Path", "as_path", "check_owned", "checksum", "client_config", "copy_file", "is_link",
-           "medium", "read_checked", "read_chunks", "region", "rmtree", "sync_dir", "within", "write_bytes",
-           "write_with"]
+           "medium", "read_checked", "read_chunks", "read_small", "region", "rmtree", "sync_dir", "within",
+           "write_bytes", "write_with"]

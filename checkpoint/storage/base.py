@@ -46,6 +46,10 @@ class Medium(ABC):
     def read_checked(self, path, size: int, algorithm: str, expected: str) -> memoryview:
         """A file's bytes, verified against its record as they arrive (CheckpointError if they differ)."""
 
+    def read_small(self, path) -> bytes:
+        """A small file's bytes whole (a manifest, a commit marker), unverified: what a checksum then covers."""
+        return path.read_bytes()
+
     @abstractmethod
     def read_chunks(self, path) -> Iterator[bytes]:
         """A file's bytes, streamed."""

@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 from ..errors import CheckpointError
 from ..fsio import (CHECKSUM_ALGORITHM, ChecksumWriter, atomic_write, checksum_file, fsync_dir, io_mode,
-                    make_dirs, read_verified)
+                    make_dirs, open_regular, read_regular, read_verified)
 from .base import CHUNK, Medium
 
 
@@ -37,8 +37,12 @@ class Posix(Medium):
     def read_checked(self, path, size: int, algorithm: str, expected: str) -> memoryview:
         return read_verified(path, size, algorithm, expected)
 
+    def read_small(self, path) -> bytes:
+        return read_regular(path)  # never through a link, never waiting on a FIFO
+
     def read_chunks(self, path) -> Iterator[bytes]:
-        with open(path, "rb") as f:
+        fd, _ = open_regular(path)
+        with open(fd, "rb") as f:
             while chunk := f.read(CHUNK):
                 yield chunk
 
