@@ -357,67 +357,6 @@ def read_verified(path: Path, size: int, algorithm: str, expected: str) -> memor
     return data
 
 
-class ReadAhead:
-    """Reads files through the page cache in a background thread, dropping the bytes, so a restart's checkpoint read
-    overlaps the setup before its load (importing torch's compiler stack, building the model, a process group's
-    rendezvous). ``plan()`` runs first, in the thread too (listing folders, reading a manifest: on a shared
-    filesystem these take time as well): it returns what to read, ``(label, [(path, size), ...])``, or None.
-
-    A hint only: nothing read here is trusted or kept; the load still reads and verifies every byte (read_verified),
-    from the cache where this got there first. Only regular files are read, never through a link, never waiting on a
-    FIFO (:func:`open_regular`). ``stop()`` ends it after the chunk in progress -- what it read stays cached, and the
-    load reads the rest itself -- or, if it does not end within ``timeout`` (a hung network filesystem), leaves the
-    daemon thread behind."""
-
-    def __init__(self, plan: Callable[[], tuple[str, list[tuple[Path, int]]] | None]):
-        self.label, self.files, self.nbytes, self.bytes_read = "", [], 0, 0
-        self._plan = plan
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pyrecover-read-ahead", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            planned = self._plan()
-        except (OSError, CheckpointError, KeyError, ValueError, TypeError):
-            planned = None  # the load says what is wrong, in its words
-        if planned is None:
-            return
-        self.label, self.files = planned
-        self.nbytes = sum(size for _, size in self.files)
-        buf = bytearray(min(_CHUNK, max((size for _, size in self.files), default=0)))
-        for path, size in self.files:
-            if self._stop.is_set():
-                break
-            try:
-                fd, _ = open_regular(path)
-            except (OSError, CheckpointError):
-                continue
-            try:
-                offset = 0
-                while offset < size and not self._stop.is_set():
-                    n = os.preadv(fd, [buf], offset)
-                    if n <= 0:
-                        break
-                    offset += n
-                    self.bytes_read += n
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait until it has read everything (or found nothing to read); False if ``timeout`` passed first."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    def stop(self, timeout: float = 5.0) -> int:
-        """End the read-ahead; the bytes it read."""
-        self._stop.set()
-        self._thread.join(timeout)
-        return self.bytes_read
-
-
 class MemoryFile(io.RawIOBase):
     """A read-only, seekable file over memory, with ``readinto``, so torch.load copies each tensor once from the
     verified bytes instead of going through an intermediate ``bytes`` object."""

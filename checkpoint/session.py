@@ -100,7 +100,7 @@ class Session:
         self.state: CheckpointState | None = None
         self._saved_at: int | None = None
         self._failed_at: int | None = None  # --on-save-error continue: the final checkpoint must still exist
-        self._read_ahead: fsio.ReadAhead | None = None  # a restart's step folder, read while setting up
+        self._read_ahead: storage.ReadAhead | None = None  # a restart's step folder, read while setting up
 
     # --- the run directory ---------------------------------------------------------------------------------------
     def check_writable(self) -> None:
@@ -164,28 +164,30 @@ class Session:
             pass
         return None
 
-    def read_ahead(self, spec: str | None) -> fsio.ReadAhead | None:
+    def read_ahead(self, spec: str | None) -> storage.ReadAhead | None:
         """Start reading, in the background, what this rank's load of ``spec`` will most likely read, so a restart's
         read overlaps its setup until ``open``: the newest committed step as listed now (`latest`), or the step or
-        folder asked for. Not verified, and never trusted: the load verifies, as always. Only a shared tier on a
-        filesystem (an object store is read by the load), and for `latest` not when this rank's node-local tier holds
-        that step or a newer one (the load takes that copy). PYRECOVER_READ_AHEAD=off turns it off. Returns the
-        read-ahead started, if any."""
+        folder asked for. Not verified, and never trusted: the load verifies, as always. From a filesystem into the
+        page cache; from object storage into memory the load takes. For `latest`, not when this rank's node-local
+        tier holds that step or a newer one (the load takes that copy). PYRECOVER_READ_AHEAD=off turns it off.
+        Returns the read-ahead started, if any."""
         self._end_read_ahead(quiet=True)
-        if not spec or not self.filesystem or knobs.read_ahead_disabled():
-            return None
-        if not spec.isdigit() and spec != "latest" and not storage.medium(spec).filesystem:
+        if not spec or knobs.read_ahead_disabled():
             return None
         try:
-            self._read_ahead = fsio.ReadAhead(lambda: self._read_ahead_plan(spec))
+            for where in self._roots() + ([] if spec == "latest" or spec.isdigit() else [spec]):
+                storage.medium(where).connect()  # a client and its imports on this thread, not the reader's
+            self._read_ahead = storage.ReadAhead(lambda: self._read_ahead_plan(spec))
+        except CheckpointError:
+            return None  # e.g. no S3 client library: the load says so, in its words
         except RuntimeError as e:  # no thread to be had (a process limit): the load reads it all, as before
             _log.debug(f"read-ahead not started: {e}")
         return self._read_ahead
 
     def _read_ahead_plan(self, spec: str) -> tuple[str, list[tuple[Path, int]]] | None:
         """(the step folder, [(file, size)]) the read-ahead reads; on its own thread (listing and a manifest take time
-        on a shared filesystem too). It imports nothing: an import on a second thread can meet the main thread's
-        imports in the interpreter's import locks."""
+        on shared storage too). It imports nothing: an import on a second thread can meet the main thread's imports
+        in the interpreter's import locks."""
         if spec == "latest":
             found = [i for r in self._roots() for i in layout.list_checkpoints(r) if i.committed]
             if not found:
@@ -198,7 +200,7 @@ class Session:
             if step_dir.name in (layout.MANIFEST, layout.COMMITTED) or step_dir.is_file():
                 step_dir = step_dir.parent  # as layout.resolve takes it
         # a linked step folder is never loaded (layout.resolve, list_checkpoints): nothing is read through it
-        if not storage.medium(step_dir).filesystem or storage.is_link(step_dir) or not step_dir.is_dir():
+        if storage.is_link(step_dir) or not step_dir.is_dir():
             return None
         manifest = layout.read_manifest(step_dir)
         if spec == "latest" and self.settings.local_dir:  # the load takes a local copy of that step or a newer one
@@ -211,18 +213,28 @@ class Session:
         names = self.backend.files_read(manifest, self.rank.rank)
         return str(step_dir), [(layout.member(step_dir, n, manifest), int(manifest["files"][n]["size"])) for n in names]
 
-    def _end_read_ahead(self, quiet: bool = False) -> None:
+    def _end_read_ahead(self, quiet: bool = False) -> storage.ReadAhead | None:
         ahead, self._read_ahead = self._read_ahead, None
         if ahead is not None:
             read = ahead.stop()
             if ahead.label and not quiet:
                 _log.info(f"read ahead {read / fsio.MiB:.1f} of {ahead.nbytes / fsio.MiB:.1f} MiB of {ahead.label} "
                           "while setting up")
+            if quiet:
+                ahead.release()
+        return ahead
 
     def open(self, spec: str | None, state: CheckpointState) -> int | None:
         """Sweep what crashed incarnations left, then restore ``state`` from ``spec`` (`latest`, a step, a path; None:
         start fresh). Returns the step (None: nothing loaded). Nothing the run committed has moved yet."""
-        self._end_read_ahead()
+        ahead = self._end_read_ahead()
+        try:
+            return self._open(spec, state)
+        finally:
+            if ahead is not None:
+                ahead.release()  # what the load did not take
+
+    def _open(self, spec: str | None, state: CheckpointState) -> int | None:
         s, main = self.settings, self.rank.is_main
         # One id per incarnation (part records, staging folder) and the lease's generation (fencing), on every rank.
         run_id = self.rank.from_main([uuid.uuid4().hex[:12], self.lease.generation if self.lease else 0,

@@ -5,6 +5,7 @@ backends and the mirror call; none of them asks which medium it is."""
 from __future__ import annotations
 
 import os
+import threading
 from typing import Callable, Iterator
 
 from ..errors import CheckpointError
@@ -72,6 +73,55 @@ def copy_file(src, dst, *, before_chunk: Callable[[], None] | None = None) -> di
     return write_with(dst, fill)
 
 
+class ReadAhead:
+    """Reads files ahead of a load, on a background thread, so a restart's checkpoint read overlaps its setup (the
+    process group's rendezvous, building the model, importing torch's compiler stack). ``plan()`` runs first, on the
+    thread too (listing folders and reading a manifest take time on shared storage as well); it returns what to read,
+    ``(label, [(path, size), ...])``, or None. Each file goes through its medium's ``prefetch``: into the page cache
+    on a filesystem, into memory that the load's ``read_checked`` takes on object storage. A hint only: the load
+    verifies every byte as always. ``stop()`` ends it after the chunk in progress (or leaves the daemon thread behind
+    if it does not end within ``timeout``: a hung network filesystem), and the load reads the rest itself;
+    ``release()``, after the load, drops what it fetched and the load did not take."""
+
+    def __init__(self, plan: Callable[[], "tuple[str, list[tuple[object, int]]] | None"]):
+        self.label, self.files, self.nbytes, self.bytes_read = "", [], 0, 0
+        self._plan = plan
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pyrecover-read-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            planned = self._plan()
+        except (OSError, CheckpointError, KeyError, ValueError, TypeError):
+            planned = None  # the load says what is wrong, in its words
+        if planned is None:
+            return
+        self.label, self.files = planned
+        self.nbytes = sum(size for _, size in self.files)
+        for path, size in self.files:
+            if self._stop.is_set():
+                break
+            self.bytes_read += medium(path).prefetch(path, size, self._stop.is_set)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until it has read everything (or found nothing to read); False if ``timeout`` passed first."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stop(self, timeout: float = 5.0) -> int:
+        """End the read-ahead; the bytes it read."""
+        self._stop.set()
+        self._thread.join(timeout)
+        return self.bytes_read
+
+    def release(self) -> None:
+        if self._thread.is_alive():  # left behind by stop(): it may still add what it fetches
+            return
+        for path, size in self.files:
+            medium(path).forget(path, size)
+
+
 def is_link(path) -> bool:
     return medium(path).is_link(path)
 
@@ -98,6 +148,6 @@ def rmtree(path) -> None:
     medium(path).rmtree(path)
 
 
-__all__ = ["MEDIA", "Medium", "S3Path", "as_path", "check_owned", "checksum", "client_config", "copy_file", "is_link",
-           "medium", "read_checked", "read_chunks", "read_small", "region", "rmtree", "sync_dir", "within",
+__all__ = ["MEDIA", "Medium", "ReadAhead", "S3Path", "as_path", "check_owned", "checksum", "client_config",
+           "copy_file", "is_link", "medium", "read_checked", "read_chunks", "read_small", "region", "rmtree", "sync_dir", "within",
            "write_bytes", "write_with"]

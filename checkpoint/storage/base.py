@@ -50,6 +50,19 @@ class Medium(ABC):
         """A small file's bytes whole (a manifest, a commit marker), unverified: what a checksum then covers."""
         return path.read_bytes()
 
+    def connect(self) -> None:
+        """Make, on the calling thread, what this medium's first access needs (a client, its imports), so that later
+        accesses from other threads import nothing."""
+
+    def prefetch(self, path, size: int, stopped: Callable[[], bool]) -> int:
+        """Read ``path`` (``size`` bytes) ahead of a load that will read it (storage.ReadAhead), checking
+        ``stopped()`` between chunks; the bytes read. Nothing read here is trusted: the load's ``read_checked`` still
+        verifies every byte. The default reads nothing."""
+        return 0
+
+    def forget(self, path, size: int) -> None:
+        """Drop what ``prefetch`` kept of ``path`` and the load did not take."""
+
     @abstractmethod
     def read_chunks(self, path) -> Iterator[bytes]:
         """A file's bytes, streamed."""

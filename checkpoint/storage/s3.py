@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -259,6 +260,35 @@ class S3(Medium):
     name = "s3"
     filesystem = False
 
+    def __init__(self):
+        self._ahead: dict[tuple[str, int], bytearray] = {}  # prefetched objects, until read_checked takes them
+        self._ahead_lock = threading.Lock()
+
+    def connect(self) -> None:
+        client()
+
+    def prefetch(self, path: S3Path, size: int, stopped: Callable[[], bool]) -> int:
+        """Into memory, kept for the load's ``read_checked`` (which still verifies it); an object cut short by
+        ``stopped()`` or of another size is dropped."""
+        data, done = bytearray(size), 0
+        try:
+            for chunk in path.read_chunks():
+                if done + len(chunk) > size or stopped():
+                    return 0
+                data[done:done + len(chunk)] = chunk
+                done += len(chunk)
+        except (OSError, CheckpointError):
+            return 0
+        if done != size:
+            return 0
+        with self._ahead_lock:
+            self._ahead[(str(path), size)] = data
+        return size
+
+    def forget(self, path: S3Path, size: int) -> None:
+        with self._ahead_lock:
+            self._ahead.pop((str(path), size), None)
+
     def claims(self, p) -> bool:
         return isinstance(p, S3Path) or (isinstance(p, str) and p.startswith(S3_SCHEME))
 
@@ -275,7 +305,10 @@ class S3(Medium):
         return path.checksum(algorithm)
 
     def read_checked(self, path: S3Path, size: int, algorithm: str, expected: str) -> memoryview:
-        data = path.read_bytes()
+        with self._ahead_lock:
+            data = self._ahead.pop((str(path), size), None)
+        if data is None:
+            data = path.read_bytes()
         if len(data) != size:
             raise CheckpointError(f"{path} has {len(data)} bytes, manifest says {size}: truncated or replaced")
         h = new_hasher(algorithm)
