@@ -463,6 +463,14 @@ def take_verified(path: Path, record: dict, algorithm: str, verified: dict | Non
     return data if data is not None else storage.read_checked(path, record["size"], algorithm, record[algorithm])
 
 
+def spec_dir(root: Path, spec: str) -> Path:
+    """The step folder a step number (under ``root``) or a path names; a manifest or other file names its folder."""
+    if spec.isdigit():
+        return root / step_dir_name(int(spec))
+    path = storage.as_path(spec)
+    return path.parent if path.name in (MANIFEST, COMMITTED) or path.is_file() else path
+
+
 def resolve(root: Path, spec: str, *, quiet: bool = False, keep: bool = False) -> CheckpointInfo | None:
     """Turn `latest`, a step number, or a path into a verified checkpoint.
 
@@ -473,15 +481,10 @@ def resolve(root: Path, spec: str, *, quiet: bool = False, keep: bool = False) -
     root = storage.as_path(root)
     if spec == "latest":
         return resolve_latest([root], quiet=quiet, keep=keep)
-    if spec.isdigit():
-        path = root / step_dir_name(int(spec))
-        if storage.is_link(path):
-            raise CheckpointError(f"{path} is a symbolic link, not a checkpoint this run wrote; pass the folder it "
-                                  f"points to ({os.readlink(path)}) as --resume-from-checkpoint PATH if you trust it")
-    else:
-        path = storage.as_path(spec)
-        if path.name in (MANIFEST, COMMITTED) or path.is_file():
-            path = path.parent
+    path = spec_dir(root, spec)
+    if spec.isdigit() and storage.is_link(path):
+        raise CheckpointError(f"{path} is a symbolic link, not a checkpoint this run wrote; pass the folder it "
+                              f"points to ({os.readlink(path)}) as --resume-from-checkpoint PATH if you trust it")
     if not path.exists():
         raise CheckpointError(f"checkpoint {spec!r} not found (looked for {path}); use `python -m checkpoint list {root}`")
     m = STEP_DIR_RE.match(path.name)

@@ -148,13 +148,7 @@ class Session:
         what must be known before the state exists (e.g. the dataset's shard list). A location that cannot be read now
         is the load's to report, in its words."""
         try:
-            if spec == "latest":
-                found = sorted((i for r in self._roots() for i in layout.list_checkpoints(r) if i.committed),
-                               key=lambda i: i.step, reverse=True)
-                step_dirs = [i.path for i in found]
-            else:
-                step_dirs = [self.root / layout.step_dir_name(int(spec)) if spec.isdigit() else storage.as_path(spec)]
-            for step_dir in step_dirs:
+            for step_dir in self._step_dirs(spec):
                 try:
                     card = layout.read_manifest(step_dir).get("meta", {}).get("card", {})
                 except CheckpointError:
@@ -163,6 +157,15 @@ class Session:
         except (OSError, CheckpointError):
             pass
         return None
+
+    def _step_dirs(self, spec: str) -> list:
+        """The step folders ``spec`` may load, newest first, unverified: for `latest` every committed one under the
+        run folder and the mirror's (on a tie the run folder's first, as resolve_latest); else the one it names."""
+        if spec != "latest":
+            return [layout.spec_dir(self.root, spec)]
+        found = sorted((i for r in self._roots() for i in layout.list_checkpoints(r) if i.committed),
+                       key=lambda i: i.step, reverse=True)  # stable: equal steps keep the roots' order
+        return [i.path for i in found]
 
     def read_ahead(self, spec: str | None) -> storage.ReadAhead | None:
         """Start reading, in the background, what this rank's load of ``spec`` will most likely read, so a restart's
@@ -188,17 +191,10 @@ class Session:
         """(the step folder, [(file, size)]) the read-ahead reads; on its own thread (listing and a manifest take time
         on shared storage too). It imports nothing: an import on a second thread can meet the main thread's imports
         in the interpreter's import locks."""
-        if spec == "latest":
-            found = [i for r in self._roots() for i in layout.list_checkpoints(r) if i.committed]
-            if not found:
-                return None
-            step_dir = max(found, key=lambda i: i.step).path  # on a tie the run folder, as resolve_latest
-        elif spec.isdigit():
-            step_dir = self.root / layout.step_dir_name(int(spec))
-        else:
-            step_dir = storage.as_path(spec)
-            if step_dir.name in (layout.MANIFEST, layout.COMMITTED) or step_dir.is_file():
-                step_dir = step_dir.parent  # as layout.resolve takes it
+        step_dirs = self._step_dirs(spec)
+        if not step_dirs:
+            return None
+        step_dir = step_dirs[0]
         # a linked step folder is never loaded (layout.resolve, list_checkpoints): nothing is read through it
         if storage.is_link(step_dir) or not step_dir.is_dir():
             return None

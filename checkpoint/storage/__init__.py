@@ -149,5 +149,5 @@ def rmtree(path) -> None:
 
 
 __all__ = ["MEDIA", "Medium", "ReadAhead", "S3Path", "as_path", "check_owned", "checksum", "client_config",
-           "copy_file", "is_link", "medium", "read_checked", "read_chunks", "read_small", "region", "rmtree", "sync_dir", "within",
-           "write_bytes", "write_with"]
+           "copy_file", "is_link", "medium", "read_checked", "read_chunks", "read_small", "region", "rmtree",
+           "sync_dir", "within", "write_bytes", "write_with"]
