@@ -378,6 +378,7 @@ def machine() -> dict:
 def render(res: dict) -> str:
     m, a = res["machine"], res["args"]
     t0 = res["t0_s"]
+    rounds = res.get("rounds", [])  # reports of earlier runs have no rounds
     ranks = a.get("ranks", RANKS)  # reports of earlier runs record no --ranks
     lines = [
         "# Goodput under failures", "",
@@ -395,7 +396,11 @@ def render(res: dict) -> str:
            "configuration: " + (", ".join(f"{t:.1f}" for t in res["kill_times"][:12]) + (" …" if len(res["kill_times"]) > 12 else "")
            + " s" if res["kill_times"] else "none within the runs")) + ". Each kill is followed by an immediate restart.",
         "",
-        f"**Goodput = t0 × steps / wall**, t0 = {t0:.3f} s (failure-free step time, no checkpoint until the end).", "",
+        f"**Goodput = t0 × steps / wall**, t0 = {t0:.3f} s (failure-free step time, no checkpoint until the end)"
+        + (f"; {len(rounds)} rounds, each with its own t0 measured right before its kill runs "
+           f"({', '.join(f(x['t0_s'], 3) for x in rounds)} s), each configuration reported by its median round "
+           "(of an even count, the lower middle one), the min–max of its rounds in brackets." if len(rounds) > 1
+           else "."), "",
         "| configuration | interval (steps) | goodput | wall s | kills | checkpoint overhead s | lost work s (steps) "
         "| recovery s | other s | model: nominal / realised rate |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -404,13 +409,27 @@ def render(res: dict) -> str:
         if not r:
             lines.append(f"| {name} | – | – | – | – | – | – | – | – | – | {c['status']}")
             continue
-        lines.append(f"| {name} | {c['every']} | **{f(r['goodput'], 3)}** | {f(r['wall_s'], 1)} | {r['kills']} | "
+        spread = c.get("goodput_rounds", [])
+        spread = f" ({f(min(spread), 3)}–{f(max(spread), 3)})" if len(spread) > 1 else ""
+        lines.append(f"| {name} | {c['every']} | **{f(r['goodput'], 3)}**{spread} | {f(r['wall_s'], 1)} | {r['kills']} | "
                      f"{f(r['checkpoint_overhead_s'], 1)} | {f(r['lost_s'], 1)} ({sum(r['lost_steps'])}) | "
                      f"{f(r['recovery_s'], 1)} | {f(r['other_s'], 1)} | {f(r['model_nominal'], 3)} / "
                      f"{f(r['model_realised'], 3)} |")
     for fam, best in res["best"].items():
         lines += ["", f"{fam}: best variant **{best['name']}** (goodput {f(best['goodput'], 3)}; variants run: "
                       f"{', '.join(best['ran']) or 'none'})."]
+    if len(rounds) > 1:
+        names = [n for n, c in res["configs"].items() if c.get("rounds")]
+        lines += ["", "Every round (goodput; wall s; kills; lost steps; recovery s per restart):", "",
+                  "| round | t0 s | " + " | ".join(names) + " |", "|---:|---:|" + "---|" * len(names)]
+        for i, x in enumerate(rounds):
+            cells = []
+            for n in names:
+                got = next((y["run"] for y in res["configs"][n]["rounds"] if y["round"] == i + 1), None)
+                cells.append("–" if got is None else
+                             f"{f(got['goodput'], 3)}; {f(got['wall_s'], 1)}; {got['kills']}; {sum(got['lost_steps'])}; "
+                             f"{f(got['recovery_s'] / max(1, len(got['lost_steps'])), 1)}")
+            lines.append(row(i + 1, f(x["t0_s"], 3), *cells))
     lines += ["", "Checkpoint overhead = steps × (extra wall time per save ÷ interval), from the calibration. Lost work = "
               "steps redone after each kill (reached before the kill − resumed from) × failure-free step time with "
               "saves. Recovery = each restart's launch to its first step done (from the loss CSV), summed; a restart "
@@ -514,7 +533,10 @@ def plot(res: dict, path: Path) -> None:
         ax.plot(mtbfs, [p["goodput_yd"] for p in proj], color=color, label=f"{name}: model, Young/Daly interval")
         ax.plot(mtbfs, [p["goodput_run_interval"] for p in proj], color=color, ls="--", lw=1,
                 label=f"{name}: model, interval {c['every']}")
-        ax.plot([res["args"]["mtbf"]], [c["run"]["goodput"]], "o", color=color, label=f"{name}: measured")
+        spread = c.get("goodput_rounds") or [c["run"]["goodput"]]
+        g = c["run"]["goodput"]
+        ax.errorbar([res["args"]["mtbf"]], [g], yerr=[[g - min(spread)], [max(spread) - g]], fmt="o", color=color,
+                    capsize=3, label=f"{name}: measured" + (f" (median of {len(spread)})" if len(spread) > 1 else ""))
     for label, m in PROJECT_MTBF.items():
         ax.axvline(m, color="grey", lw=0.5)
         ax.text(m, 1.0, label, rotation=90, color="grey", va="top", ha="right")
@@ -581,10 +603,16 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"training ranks, one compute thread each (default {RANKS}: every core of this 2-core machine "
                         "trains; 1 leaves a core to the background saves and the S3 server, as a GPU node's host "
                         "cores are left to them)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of kill runs (default 1). Each round measures its own t0 first and runs every "
+                        "configuration on the same schedule, starting one configuration later than the round before; "
+                        "the report gives each configuration's median round and the spread")
     p.add_argument("--quick", action="store_true", help="a short smoke run: few steps, MTBF 10 s")
     args = p.parse_args(argv)
     if args.ranks < 1:
         p.error("--ranks must be at least 1")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     LAUNCHER.update(direct=args.launcher == "direct", ranks=args.ranks)
     # SIGTERM unwinds like Ctrl-C, so the job running now is killed and the work folder removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -677,78 +705,114 @@ def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:
     def csv_of(name: str) -> Path:
         return job_dir(name) / "run" / "loss.csv"
 
-    log(f"base: failure-free, no checkpoint until the end, {args.calib_steps} steps")
+    def base_run(tag: str) -> Calibration:
+        log(f"{tag}: failure-free, no checkpoint until the end, {args.calib_steps} steps")
+        base, job = calibrate(train_cmd(job_dir(tag), args.calib_steps, 0, [], args.dataset, s3=False), csv_of(tag),
+                              args.calib_steps, 0, skip, None, limit_s=1800)
+        if base is None:
+            raise SystemExit(f"the {tag} run {job.outcome}:\n{job.tail}")
+        shutil.rmtree(job_dir(tag), ignore_errors=True)
+        log(f"  t0 = {base.step_s:.3f} s/step, start-up {base.startup_s:.1f} s, finish {base.finish_s:.1f} s")
+        return base
+
+    def cleanup(*jobs: str) -> None:
+        for job in jobs:
+            if not args.keep:
+                shutil.rmtree(job_dir(job), ignore_errors=True)
+            shutil.rmtree(local_dir(job_dir(job)), ignore_errors=True)  # a killed job's local tier
+
     skip = args.calib_every + 1
-    base, job = calibrate(train_cmd(job_dir("base"), args.calib_steps, 0, [], args.dataset, s3=False), csv_of("base"),
-                          args.calib_steps, 0, skip, None, limit_s=1800)
-    if base is None:
-        raise SystemExit(f"the base run {job.outcome}:\n{job.tail}")
+    base = base_run("base")
     t0 = base.step_s
     res["t0_s"], res["base"] = t0, asdict(base)
-    log(f"  t0 = {t0:.3f} s/step, start-up {base.startup_s:.1f} s, finish {base.finish_s:.1f} s")
     explicit = [float(t) for t in args.kill_times.split(",") if t.strip()] if args.kill_times else None
-
     kill_steps = [int(s) for s in args.kill_steps.split(",") if s.strip()] if args.kill_steps else []
 
-    def kill_times() -> Iterable[float]:  # the same times for every configuration
+    def kill_times() -> Iterable[float]:  # the same times for every configuration and every round
         return iter(explicit) if explicit is not None else kill_schedule(args.seed, args.mtbf)
 
+    def standby(stack: contextlib.ExitStack, name: str) -> None:
+        EXTRA_ENV.clear()
+        if name in WARM:
+            EXTRA_ENV.update(stack.enter_context(warm_standby(workdir / f"{name}-standby")))
+
+    # Each configuration's interval, from a failure-free calibration run.
     for name, flags in args.configs.items():
+        c = res["configs"][name] = {"flags": flags, "status": "ok", "rounds": []}
+        if S3["uri"] and "dcp" not in flags and "--local-checkpoint-dir" not in flags:
+            c["status"] = "not supported on s3: --checkpoint-dir s3:// needs dcp, or a local tier"
+            log(f"{name}: skipped, {c['status']}")
+            continue
+        log(f"{name}: calibration, a save every {args.calib_every} steps, {args.calib_steps} steps")
         with contextlib.ExitStack() as stack:
-            EXTRA_ENV.clear()
-            if name in WARM:
-                EXTRA_ENV.update(stack.enter_context(warm_standby(workdir / f"{name}-standby")))
-            c = res["configs"][name] = {"flags": flags, "status": "ok"}
-            if S3["uri"] and "dcp" not in flags and "--local-checkpoint-dir" not in flags:
-                c["status"] = "not supported on s3: --checkpoint-dir s3:// needs dcp, or a local tier"
-                log(f"{name}: skipped, {c['status']}")
-                continue
-            log(f"{name}: calibration, a save every {args.calib_every} steps, {args.calib_steps} steps")
+            standby(stack, name)
             cal, job = calibrate(train_cmd(job_dir(f"{name}-calibration"), args.calib_steps, args.calib_every, flags,
                                            args.dataset), csv_of(f"{name}-calibration"), args.calib_steps,
                                  args.calib_every, skip, t0, limit_s=1800)
-            if cal is None:
-                usage = re.search(r"^.*error: (unrecognized arguments|argument).*$", job.tail, re.M)
-                c["status"] = f"not supported by this train.py: {usage.group(0)}" if usage else f"calibration {job.outcome}"
-                c["tail"] = job.tail
-                log(f"  skipped: {c['status']}\n{'' if usage else job.tail}")
-                continue
-            delta = cal.blocked_s if args.delta_from == "blocked" else cal.save_cost_s
-            tau_yd, tau, every = young_daly(delta, cal.persist_s, args.mtbf, t0)
-            c.update(calibration=asdict(cal), delta_s=delta, tau_yd_s=tau_yd, tau_s=tau, every=every)
-            log(f"  step {cal.step_s:.3f} s, save cost {cal.save_cost_s:.3f} s, blocked {cal.blocked_s:.3f} s, persist "
-                f"{cal.persist_s:.3f} s -> tau = max(sqrt(2 x {delta:.3f} x {args.mtbf:g}), {cal.persist_s:.2f}) = "
-                f"{tau:.1f} s = every {every} steps")
-            ff_wall = cal.startup_s + cal.finish_s + args.steps * (t0 + cal.save_cost_s / every)
-            log(f"{name}: kill run, {args.steps} steps, a save every {every} steps (failure-free ~{ff_wall:.0f} s)")
-            job = run_job(train_cmd(job_dir(name), args.steps, every, flags, args.dataset), csv_of(name),
-                          () if kill_steps else kill_times(), limit_s=20 * ff_wall + 600, kill_steps=kill_steps)
-            c["incarnations"] = [asdict(i) | {"recovery_s": i.recovery_s} for i in job.incarnations]
+        cleanup(f"{name}-calibration")
+        if cal is None:
+            usage = re.search(r"^.*error: (unrecognized arguments|argument).*$", job.tail, re.M)
+            c["status"] = f"not supported by this train.py: {usage.group(0)}" if usage else f"calibration {job.outcome}"
+            c["tail"] = job.tail
+            log(f"  skipped: {c['status']}\n{'' if usage else job.tail}")
+            continue
+        delta = cal.blocked_s if args.delta_from == "blocked" else cal.save_cost_s
+        tau_yd, tau, every = young_daly(delta, cal.persist_s, args.mtbf, t0)
+        c.update(calibration=asdict(cal), delta_s=delta, tau_yd_s=tau_yd, tau_s=tau, every=every)
+        log(f"  step {cal.step_s:.3f} s, save cost {cal.save_cost_s:.3f} s, blocked {cal.blocked_s:.3f} s, persist "
+            f"{cal.persist_s:.3f} s -> tau = max(sqrt(2 x {delta:.3f} x {args.mtbf:g}), {cal.persist_s:.2f}) = "
+            f"{tau:.1f} s = every {every} steps")
+
+    # The kill runs, in rounds. With --repeats > 1 each round measures its own t0 right before its kill runs (this
+    # machine's speed drifts by more than the configurations differ) and starts one configuration later than the last.
+    ready = [name for name, c in res["configs"].items() if "every" in c]
+    res["rounds"] = []
+    for rnd in range(args.repeats):
+        t0_round = base_run(f"base-round{rnd + 1}").step_s if args.repeats > 1 else t0
+        res["rounds"].append({"t0_s": t0_round})
+        k = rnd % len(ready) if ready else 0
+        for name in ready[k:] + ready[:k]:
+            c = res["configs"][name]
+            cal, every = Calibration(**c["calibration"]), c["every"]
+            ff_wall = cal.startup_s + cal.finish_s + args.steps * (t0_round + cal.save_cost_s / every)
+            log(f"{name}: kill run{f' (round {rnd + 1} of {args.repeats})' if args.repeats > 1 else ''}, "
+                f"{args.steps} steps, a save every {every} steps (failure-free ~{ff_wall:.0f} s)")
+            with contextlib.ExitStack() as stack:
+                standby(stack, name)
+                job = run_job(train_cmd(job_dir(name), args.steps, every, c["flags"], args.dataset), csv_of(name),
+                              () if kill_steps else kill_times(), limit_s=20 * ff_wall + 600, kill_steps=kill_steps)
+            cleanup(name)
+            incarnations = [asdict(i) | {"recovery_s": i.recovery_s} for i in job.incarnations]
             if job.outcome != "finished":
-                c["status"], c["tail"] = f"kill run {job.outcome}", job.tail
+                c["status"], c["tail"], c["incarnations"] = f"kill run {job.outcome}", job.tail, incarnations
                 log(f"  {c['status']}\n{job.tail}")
+                ready.remove(name)
                 continue
             # with no restart measured, R is a fresh start's (it loads no checkpoint)
-            r = c["run"] = account(job, args.steps, t0, cal, every, args.mtbf,
-                                   fallback_recovery=cal.startup_s + cal.step_s)
-            c["projections"] = {k: project(t0, cal, every, r["recovery_per_restart_s"], m, delta)
-                               for k, m in PROJECT_MTBF.items()}
+            r = account(job, args.steps, t0_round, cal, every, args.mtbf, fallback_recovery=cal.startup_s + cal.step_s)
+            c["rounds"].append({"round": rnd + 1, "t0_s": t0_round, "run": r, "incarnations": incarnations})
             log(f"  goodput {r['goodput']:.3f} (model {r['model_nominal']:.3f}), wall {r['wall_s']:.1f} s, {r['kills']} "
                 f"kills, lost {sum(r['lost_steps'])} steps (per kill: {r['lost_steps']}, save interval {every}), "
                 f"recovery {r['recovery_s']:.1f} s")
-            if not args.keep:
-                shutil.rmtree(job_dir(name), ignore_errors=True)
-                shutil.rmtree(job_dir(f"{name}-calibration"), ignore_errors=True)
-            for job in (name, f"{name}-calibration"):  # a killed job's local tier (a clean end removes its own)
-                shutil.rmtree(local_dir(job_dir(job)), ignore_errors=True)
+    # Each configuration is reported by its median round (for an even count, the lower of the middle two).
+    for name, c in res["configs"].items():
+        if c["status"] != "ok" or not c["rounds"]:
+            continue
+        by_goodput = sorted(c["rounds"], key=lambda x: x["run"]["goodput"])
+        median = by_goodput[(len(by_goodput) - 1) // 2]
+        c["run"], c["incarnations"] = median["run"], median["incarnations"]
+        c["goodput_rounds"] = [x["run"]["goodput"] for x in c["rounds"]]
+        cal = Calibration(**c["calibration"])
+        delta = c["delta_s"]
+        c["projections"] = {k: project(t0, cal, c["every"], c["run"]["recovery_per_restart_s"], m, delta)
+                            for k, m in PROJECT_MTBF.items()}
     for fam, members in FAMILIES.items():
         ran = [m for m in members if res["configs"].get(m, {}).get("run")]
         if ran:
             best = max(ran, key=lambda m: res["configs"][m]["run"]["goodput"])
             res["best"][fam] = {"name": best, "goodput": res["configs"][best]["run"]["goodput"], "ran": ran}
-    longest = max((c["run"]["wall_s"] for c in res["configs"].values() if c.get("run")), default=0.0)
+    longest = max((x["run"]["wall_s"] for c in res["configs"].values() for x in c.get("rounds", [])), default=0.0)
     res["kill_times"] = [] if kill_steps else list(itertools.takewhile(lambda t: t < longest, kill_times()))
-
 
 if __name__ == "__main__":
     sys.exit(main())
