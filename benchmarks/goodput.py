@@ -81,7 +81,7 @@ WARM = {"tiered-warm", "concurrent-warm"}
 DEFAULT_CONFIGS = [name for name in CONFIGS if name != "concurrent-warm"]
 SHARED_FACTOR = 10
 #: --shared s3: the S3 prefix each job's checkpoints go under (a SeaweedFS server of this run) and its clients' variables
-S3: dict = {"uri": None, "env": {}}
+S3: dict = {"uri": None, "env": {}, "pid": None}
 #: the variables of the configuration now running (a warm standby's socket)
 EXTRA_ENV: dict = {}
 #: --launcher direct: the ranks start as srun starts them (benchmarks/launch.py), not under torchrun's agent
@@ -237,6 +237,14 @@ def run_job(cmd: list[str], csv_path: Path, kill_at: Iterable[float], limit_s: f
             continue
         return Job(origin, end - origin, "finished" if rc == 0 else f"failed (rc {rc})", incarnations,
                    "" if rc == 0 else out[-6000:])
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """CPU time (user + system) a process has used so far, from /proc; None without a process."""
+    if pid is None:
+        return None
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def kill_schedule(seed: int, mtbf: float) -> Iterator[float]:
@@ -420,7 +428,8 @@ def render(res: dict) -> str:
                       f"{', '.join(best['ran']) or 'none'})."]
     if len(rounds) > 1:
         names = [n for n, c in res["configs"].items() if c.get("rounds")]
-        lines += ["", "Every round (goodput; wall s; kills; lost steps; recovery s per restart):", "",
+        lines += ["", "Every round (goodput; wall s; kills; lost steps; recovery s per restart"
+                  + ("; CPU s the S3 server used during the run" if a.get("shared") == "s3" else "") + "):", "",
                   "| round | t0 s | " + " | ".join(names) + " |", "|---:|---:|" + "---|" * len(names)]
         for i, x in enumerate(rounds):
             cells = []
@@ -428,7 +437,8 @@ def render(res: dict) -> str:
                 got = next((y["run"] for y in res["configs"][n]["rounds"] if y["round"] == i + 1), None)
                 cells.append("–" if got is None else
                              f"{f(got['goodput'], 3)}; {f(got['wall_s'], 1)}; {got['kills']}; {sum(got['lost_steps'])}; "
-                             f"{f(got['recovery_s'] / max(1, len(got['lost_steps'])), 1)}")
+                             f"{f(got['recovery_s'] / max(1, len(got['lost_steps'])), 1)}"
+                             + (f"; {f(got['s3_server_cpu_s'], 1)}" if "s3_server_cpu_s" in got else ""))
             lines.append(row(i + 1, f(x["t0_s"], 3), *cells))
     lines += ["", "Checkpoint overhead = steps × (extra wall time per save ÷ interval), from the calibration. Lost work = "
               "steps redone after each kill (reached before the kill − resumed from) × failure-free step time with "
@@ -683,7 +693,7 @@ def start_s3(workdir: Path):
                                     secrets.token_urlsafe(30))
     if server is None:
         raise SystemExit(f"error: could not start the S3 server: {err}")
-    S3.update(uri=server.uri("goodput"), env=server.env())
+    S3.update(uri=server.uri("goodput"), env=server.env(), pid=proc.pid)
     log(f"shared tier: {S3['uri']} (SeaweedFS {server.endpoint_url})")
     return proc, sock
 
@@ -777,11 +787,16 @@ def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:
             ff_wall = cal.startup_s + cal.finish_s + args.steps * (t0_round + cal.save_cost_s / every)
             log(f"{name}: kill run{f' (round {rnd + 1} of {args.repeats})' if args.repeats > 1 else ''}, "
                 f"{args.steps} steps, a save every {every} steps (failure-free ~{ff_wall:.0f} s)")
+            tag = f"{name}-round{rnd + 1}"  # a folder (and S3 prefix) of its own: a round must start fresh
+            server_cpu = cpu_seconds(S3["pid"])
             with contextlib.ExitStack() as stack:
                 standby(stack, name)
-                job = run_job(train_cmd(job_dir(name), args.steps, every, c["flags"], args.dataset), csv_of(name),
+                job = run_job(train_cmd(job_dir(tag), args.steps, every, c["flags"], args.dataset), csv_of(tag),
                               () if kill_steps else kill_times(), limit_s=20 * ff_wall + 600, kill_steps=kill_steps)
-            cleanup(name)
+            cleanup(tag)
+            if job.incarnations[0].resumed_from not in (0, None):
+                raise SystemExit(f"{tag}: the kill run's first start resumed from step "
+                                 f"{job.incarnations[0].resumed_from}: it found an earlier run's checkpoint")
             incarnations = [asdict(i) | {"recovery_s": i.recovery_s} for i in job.incarnations]
             if job.outcome != "finished":
                 c["status"], c["tail"], c["incarnations"] = f"kill run {job.outcome}", job.tail, incarnations
@@ -790,6 +805,8 @@ def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:
                 continue
             # with no restart measured, R is a fresh start's (it loads no checkpoint)
             r = account(job, args.steps, t0_round, cal, every, args.mtbf, fallback_recovery=cal.startup_s + cal.step_s)
+            if server_cpu is not None:  # on this machine the S3 server takes CPU that a remote one would not
+                r["s3_server_cpu_s"] = cpu_seconds(S3["pid"]) - server_cpu
             c["rounds"].append({"round": rnd + 1, "t0_s": t0_round, "run": r, "incarnations": incarnations})
             log(f"  goodput {r['goodput']:.3f} (model {r['model_nominal']:.3f}), wall {r['wall_s']:.1f} s, {r['kills']} "
                 f"kills, lost {sum(r['lost_steps'])} steps (per kill: {r['lost_steps']}, save interval {every}), "
