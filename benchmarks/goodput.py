@@ -13,6 +13,11 @@ save delta and the background persist time P (both as train.py logs them). The k
 tau = sqrt(2 delta MTBF), at least P (an async save must be durable before the next one starts, or saves queue), in
 steps k = round(tau / t0).
 
+Rounds (--repeats R). One run of a configuration can be 20 % off the next on shared cores, more than configurations
+differ. With R > 1 the kill runs come in R rounds on the same schedule; each round first measures its own t0 (the
+machine's speed drifts within the hour), and starts one configuration later than the round before. Each configuration
+is reported by its median round, with the min-max of its rounds.
+
 Model. Each kill costs the recovery R (restart to its first step done) and the work since the newest durable
 checkpoint L (expected k t (1 + o) / 2 + P). Failures strike at rate 1/MTBF over the whole wall time T, so
 T = T_ff + (T / MTBF)(R + L), with the failure-free T_ff = S + N t0 (1 + o), o = c / (k t0) and S the one-time start-up

@@ -2,7 +2,8 @@
 its report. It measures nothing: one configuration (the node-local tier, whose flags the harness sets apart, with a
 warm standby), the ranks started as srun starts them (benchmarks/launch.py), a few steps, one kill (at a step, so the
 machine's speed cannot let the run finish before it); the restart is served by the standby (no imports) and resumes
-from the local tier in /dev/shm, which the harness removes."""
+from the local tier in /dev/shm, which the harness removes. Two rounds (--repeats 2): each starts afresh, and the
+report gives the median round with the spread."""
 
 from __future__ import annotations
 
@@ -18,18 +19,22 @@ from helpers import PY, ROOT, env_for_tests
 @pytest.mark.benchmark_smoke
 def test_goodput_harness_smoke(corpus, tmp_path):
     proc = subprocess.run([PY, "-m", "benchmarks.goodput", "--quick", "--configs", "tiered-warm", "--kill-steps", "6",
-                           "--launcher", "direct",
+                           "--launcher", "direct", "--repeats", "2",
                            "--dataset", corpus, "--out", str(tmp_path)],
                           cwd=ROOT, env=env_for_tests(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for name in ("goodput.md", "goodput.json", "goodput.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     row = next(line for line in (tmp_path / "goodput.md").read_text().splitlines() if line.startswith("| tiered-warm |"))
-    goodput = float(row.split("|")[3].strip(" *"))
-    assert 0 < goodput <= 1, row
+    median, spread = row.split("|")[3].split("(")
+    low, high = (float(x) for x in spread.strip(" )").split("–"))
+    assert 0 < low <= float(median.strip(" *")) <= high <= 1, row
     configs = json.loads((tmp_path / "goodput.json").read_text())["configs"]
     tiered = next(c for c in configs if c["name"] == "tiered-warm")
-    assert tiered["run"]["kills"] == 1
-    restart = tiered["incarnations"][1]
-    assert restart["resumed_from"] > 0 and "imports 0.00s" in restart["recovery_line"], restart
+    assert [r["round"] for r in tiered["rounds"]] == [1, 2]
+    for r in tiered["rounds"]:
+        assert r["run"]["kills"] == 1
+        first, restart = r["incarnations"]
+        assert first["resumed_from"] == 0, r  # a round never finds an earlier round's checkpoint
+        assert restart["resumed_from"] > 0 and "imports 0.00s" in restart["recovery_line"], restart
     assert not list(Path("/dev/shm").glob("pyrecover-goodput-*")), "a local tier was left behind"
