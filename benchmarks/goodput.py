@@ -442,7 +442,7 @@ def render(res: dict) -> str:
                 got = next((y["run"] for y in res["configs"][n]["rounds"] if y["round"] == i + 1), None)
                 cells.append("–" if got is None else
                              f"{f(got['goodput'], 3)}; {f(got['wall_s'], 1)}; {got['kills']}; {sum(got['lost_steps'])}; "
-                             f"{f(got['recovery_s'] / max(1, len(got['lost_steps'])), 1)}"
+                             f"{f(got['recovery_s'] / max(1, got['kills']), 1)}"
                              + (f"; {f(got['s3_server_cpu_s'], 1)}" if "s3_server_cpu_s" in got else ""))
             lines.append(row(i + 1, f(x["t0_s"], 3), *cells))
     lines += ["", "Checkpoint overhead = steps × (extra wall time per save ÷ interval), from the calibration. Lost work = "
@@ -726,7 +726,7 @@ def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:
                               args.calib_steps, 0, skip, None, limit_s=1800)
         if base is None:
             raise SystemExit(f"the {tag} run {job.outcome}:\n{job.tail}")
-        shutil.rmtree(job_dir(tag), ignore_errors=True)
+        cleanup(tag)
         log(f"  t0 = {base.step_s:.3f} s/step, start-up {base.startup_s:.1f} s, finish {base.finish_s:.1f} s")
         return base
 
@@ -835,6 +835,7 @@ def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:
             res["best"][fam] = {"name": best, "goodput": res["configs"][best]["run"]["goodput"], "ran": ran}
     longest = max((x["run"]["wall_s"] for c in res["configs"].values() for x in c.get("rounds", [])), default=0.0)
     res["kill_times"] = [] if kill_steps else list(itertools.takewhile(lambda t: t < longest, kill_times()))
+
 
 if __name__ == "__main__":
     sys.exit(main())
