@@ -14,9 +14,13 @@ tau = sqrt(2 delta MTBF), at least P (an async save must be durable before the n
 steps k = round(tau / t0).
 
 Rounds (--repeats R). One run of a configuration can be 20 % off the next on shared cores, more than configurations
-differ. With R > 1 the kill runs come in R rounds on the same schedule; each round first measures its own t0 (the
-machine's speed drifts within the hour), and starts one configuration later than the round before. Each configuration
-is reported by its median round, with the min-max of its rounds.
+differ. With R > 1 the kill runs come in R rounds on the same schedule, each starting one configuration later than
+the round before. The machine's speed drifts within the hour, so each round has its own t0: the mean of two
+failure-free runs as long as the kill runs (--t0-steps), one right before the round and one right after it (R + 1 in
+all). Each configuration is reported by its median round, with the min-max of its rounds.
+
+S3 (--shared s3). The SeaweedFS server runs on this machine; unless --no-pin-s3, its threads are kept on the last core,
+since on a cluster the object store's CPU is other machines'.
 
 Model. Each kill costs the recovery R (restart to its first step done) and the work since the newest durable
 checkpoint L (expected k t (1 + o) / 2 + P). Failures strike at rate 1/MTBF over the whole wall time T, so
@@ -410,8 +414,10 @@ def render(res: dict) -> str:
            + " s" if res["kill_times"] else "none within the runs")) + ". Each kill is followed by an immediate restart.",
         "",
         f"**Goodput = t0 × steps / wall**, t0 = {t0:.3f} s (failure-free step time, no checkpoint until the end)"
-        + (f"; {len(rounds)} rounds, each with its own t0 measured right before its kill runs "
-           f"({', '.join(f(x['t0_s'], 3) for x in rounds)} s), each configuration reported by its median round "
+        + (f"; {len(rounds)} rounds, each with its own t0 " + (
+            f"= the mean of failure-free runs of {a['t0_steps']} steps right before and right after its kill runs "
+            if "t0_before_s" in rounds[0] else "measured right before its kill runs ")
+           + f"({', '.join(f(x['t0_s'], 3) for x in rounds)} s), each configuration reported by its median round "
            "(of an even count, the lower middle one), the min–max of its rounds in brackets." if len(rounds) > 1
            else "."), "",
         "| configuration | interval (steps) | goodput | wall s | kills | checkpoint overhead s | lost work s (steps) "
@@ -435,7 +441,8 @@ def render(res: dict) -> str:
         names = [n for n, c in res["configs"].items() if c.get("rounds")]
         lines += ["", "Every round (goodput; wall s; kills; lost steps; recovery s per restart"
                   + ("; CPU s the S3 server used during the run" if a.get("shared") == "s3" else "") + "):", "",
-                  "| round | t0 s | " + " | ".join(names) + " |", "|---:|---:|" + "---|" * len(names)]
+                  "| round | t0 s" + (" (before, after)" if "t0_before_s" in rounds[0] else "") + " | "
+                  + " | ".join(names) + " |", "|---:|---:|" + "---|" * len(names)]
         for i, x in enumerate(rounds):
             cells = []
             for n in names:
@@ -444,7 +451,9 @@ def render(res: dict) -> str:
                              f"{f(got['goodput'], 3)}; {f(got['wall_s'], 1)}; {got['kills']}; {sum(got['lost_steps'])}; "
                              f"{f(got['recovery_s'] / max(1, got['kills']), 1)}"
                              + (f"; {f(got['s3_server_cpu_s'], 1)}" if "s3_server_cpu_s" in got else ""))
-            lines.append(row(i + 1, f(x["t0_s"], 3), *cells))
+            t0_cell = f(x["t0_s"], 3) + (f" ({f(x['t0_before_s'], 3)}, {f(x['t0_after_s'], 3)})"
+                                         if "t0_before_s" in x else "")
+            lines.append(row(i + 1, t0_cell, *cells))
     lines += ["", "Checkpoint overhead = steps × (extra wall time per save ÷ interval), from the calibration. Lost work = "
               "steps redone after each kill (reached before the kill − resumed from) × failure-free step time with "
               "saves. Recovery = each restart's launch to its first step done (from the loss CSV), summed; a restart "
@@ -622,6 +631,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="rounds of kill runs (default 1). Each round measures its own t0 first and runs every "
                         "configuration on the same schedule, starting one configuration later than the round before; "
                         "the report gives each configuration's median round and the spread")
+    p.add_argument("--t0-steps", type=int, default=None,
+                   help="with --repeats > 1: steps of the failure-free run before, between and after the rounds, "
+                        "whose mean around a round is its t0 (default: --steps, a failure-free copy of the kill run)")
+    p.add_argument("--pin-s3", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --shared s3: run the S3 server on the last core only (default), where a cluster runs it "
+                        "on other machines; with --ranks 1 on 2 cores that is the core training leaves to the saves")
     p.add_argument("--quick", action="store_true", help="a short smoke run: few steps, MTBF 10 s")
     args = p.parse_args(argv)
     if args.ranks < 1:
@@ -636,8 +651,11 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or (20 if q else 300)
     args.calib_steps = args.calib_steps or (8 if q else 100)
     args.calib_every = args.calib_every or (3 if q else 10)
+    args.t0_steps = args.t0_steps or args.steps
     if args.calib_steps < 2 * args.calib_every + 2:
         p.error("--calib-steps must be at least 2 x --calib-every + 2: the step time leaves out the first save")
+    if args.t0_steps < args.calib_every + 2:
+        p.error("--t0-steps must be at least --calib-every + 2: the step time leaves out the first steps")
     if not Path(args.dataset).exists():
         print(f"error: dataset {args.dataset} does not exist; run `make data` or pass --dataset", file=sys.stderr)
         return 2
@@ -657,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     server_proc = sock = None
     try:
         if args.shared == "s3":
-            server_proc, sock = start_s3(workdir)
+            server_proc, sock = start_s3(workdir, args.pin_s3)
         run_all(args, workdir, res)
     finally:
         if server_proc is not None:
@@ -684,8 +702,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(c["status"] == "ok" or c["status"].startswith("not supported") for c in res["configs"].values()) else 1
 
 
-def start_s3(workdir: Path):
-    """A SeaweedFS server for --shared s3 (as the S3 tests start it); sets ``S3``. Returns (its process, socket dir)."""
+def pin_to_last_core(pid: int) -> int | None:
+    """Every thread of ``pid`` on the machine's last core (threads it starts later inherit that); the core, or None on
+    one core. Threads are listed again until a pass finds none left to pin."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    last, pinned = cores[-1], set()
+    while todo := {int(t) for t in os.listdir(f"/proc/{pid}/task")} - pinned:
+        for tid in todo:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, {last})
+        pinned |= todo
+    return last
+
+
+def start_s3(workdir: Path, pin: bool):
+    """A SeaweedFS server for --shared s3 (as the S3 tests start it), on the last core if ``pin``; sets ``S3``.
+    Returns (its process, socket dir)."""
     import secrets
 
     from tests.s3.conftest import _start_once, find_weed
@@ -699,7 +733,9 @@ def start_s3(workdir: Path):
     if server is None:
         raise SystemExit(f"error: could not start the S3 server: {err}")
     S3.update(uri=server.uri("goodput"), env=server.env(), pid=proc.pid)
-    log(f"shared tier: {S3['uri']} (SeaweedFS {server.endpoint_url})")
+    core = pin_to_last_core(proc.pid) if pin else None
+    log(f"shared tier: {S3['uri']} (SeaweedFS {server.endpoint_url}"
+        + (f", its threads on core {core} only)" if core is not None else ")"))
     return proc, sock
 
 
@@ -720,10 +756,10 @@ def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:
     def csv_of(name: str) -> Path:
         return job_dir(name) / "run" / "loss.csv"
 
-    def base_run(tag: str) -> Calibration:
-        log(f"{tag}: failure-free, no checkpoint until the end, {args.calib_steps} steps")
-        base, job = calibrate(train_cmd(job_dir(tag), args.calib_steps, 0, [], args.dataset, s3=False), csv_of(tag),
-                              args.calib_steps, 0, skip, None, limit_s=1800)
+    def base_run(tag: str, steps: int) -> Calibration:
+        log(f"{tag}: failure-free, no checkpoint until the end, {steps} steps")
+        base, job = calibrate(train_cmd(job_dir(tag), steps, 0, [], args.dataset, s3=False), csv_of(tag),
+                              steps, 0, skip, None, limit_s=1800 + 10 * steps)
         if base is None:
             raise SystemExit(f"the {tag} run {job.outcome}:\n{job.tail}")
         cleanup(tag)
@@ -737,7 +773,7 @@ def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:
             shutil.rmtree(local_dir(job_dir(job)), ignore_errors=True)  # a killed job's local tier
 
     skip = args.calib_every + 1
-    base = base_run("base")
+    base = base_run("base", args.calib_steps)
     t0 = base.step_s
     res["t0_s"], res["base"] = t0, asdict(base)
     explicit = [float(t) for t in args.kill_times.split(",") if t.strip()] if args.kill_times else None
@@ -778,18 +814,19 @@ def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:
             f"{cal.persist_s:.3f} s -> tau = max(sqrt(2 x {delta:.3f} x {args.mtbf:g}), {cal.persist_s:.2f}) = "
             f"{tau:.1f} s = every {every} steps")
 
-    # The kill runs, in rounds. With --repeats > 1 each round measures its own t0 right before its kill runs (this
-    # machine's speed drifts by more than the configurations differ) and starts one configuration later than the last.
+    # The kill runs, in rounds. With --repeats > 1 failure-free runs as long as the kill runs come before the first
+    # round, between rounds and after the last, and each round's t0 is the mean of the two around it: this machine's
+    # speed drifts by more than the configurations differ. Each round starts one configuration later than the last.
     ready = [name for name, c in res["configs"].items() if "every" in c]
     res["rounds"] = []
+    t0_next = base_run("base-round1", args.t0_steps).step_s if args.repeats > 1 else t0
     for rnd in range(args.repeats):
-        t0_round = base_run(f"base-round{rnd + 1}").step_s if args.repeats > 1 else t0
-        res["rounds"].append({"t0_s": t0_round})
+        t0_before, done = t0_next, []
         k = rnd % len(ready) if ready else 0
         for name in ready[k:] + ready[:k]:
             c = res["configs"][name]
             cal, every = Calibration(**c["calibration"]), c["every"]
-            ff_wall = cal.startup_s + cal.finish_s + args.steps * (t0_round + cal.save_cost_s / every)
+            ff_wall = cal.startup_s + cal.finish_s + args.steps * (t0_before + cal.save_cost_s / every)
             log(f"{name}: kill run{f' (round {rnd + 1} of {args.repeats})' if args.repeats > 1 else ''}, "
                 f"{args.steps} steps, a save every {every} steps (failure-free ~{ff_wall:.0f} s)")
             tag = f"{name}-round{rnd + 1}"  # a folder (and S3 prefix) of its own: a round must start fresh
@@ -808,14 +845,25 @@ def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:
                 log(f"  {c['status']}\n{job.tail}")
                 ready.remove(name)
                 continue
+            # on this machine the S3 server takes CPU that a remote one would not
+            server_s = None if server_cpu is None else cpu_seconds(S3["pid"]) - server_cpu
+            done.append((name, job, incarnations, server_s))
+            log(f"  wall {job.wall:.1f} s, {len(job.incarnations) - 1} kills")
+        if args.repeats > 1:
+            t0_next = base_run(f"base-round{rnd + 2}", args.t0_steps).step_s
+        t0_round = (t0_before + t0_next) / 2
+        res["rounds"].append({"t0_s": t0_round, "t0_before_s": t0_before, "t0_after_s": t0_next})
+        for name, job, incarnations, server_s in done:
+            c = res["configs"][name]
+            cal, every = Calibration(**c["calibration"]), c["every"]
             # with no restart measured, R is a fresh start's (it loads no checkpoint)
             r = account(job, args.steps, t0_round, cal, every, args.mtbf, fallback_recovery=cal.startup_s + cal.step_s)
-            if server_cpu is not None:  # on this machine the S3 server takes CPU that a remote one would not
-                r["s3_server_cpu_s"] = cpu_seconds(S3["pid"]) - server_cpu
+            if server_s is not None:
+                r["s3_server_cpu_s"] = server_s
             c["rounds"].append({"round": rnd + 1, "t0_s": t0_round, "run": r, "incarnations": incarnations})
-            log(f"  goodput {r['goodput']:.3f} (model {r['model_nominal']:.3f}), wall {r['wall_s']:.1f} s, {r['kills']} "
-                f"kills, lost {sum(r['lost_steps'])} steps (per kill: {r['lost_steps']}, save interval {every}), "
-                f"recovery {r['recovery_s']:.1f} s")
+            log(f"{name}, round {rnd + 1}: goodput {r['goodput']:.3f} (model {r['model_nominal']:.3f}), wall "
+                f"{r['wall_s']:.1f} s, {r['kills']} kills, lost {sum(r['lost_steps'])} steps (per kill: "
+                f"{r['lost_steps']}, save interval {every}), recovery {r['recovery_s']:.1f} s")
     # Each configuration is reported by its median round (for an even count, the lower of the middle two).
     for name, c in res["configs"].items():
         if c["status"] != "ok" or not c["rounds"]:
