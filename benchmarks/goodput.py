@@ -19,9 +19,6 @@ the round before. The machine's speed drifts within the hour, so each round has 
 failure-free runs as long as the kill runs (--t0-steps), one right before the round and one right after it (R + 1 in
 all). Each configuration is reported by its median round, with the min-max of its rounds.
 
-S3 (--shared s3). The SeaweedFS server runs on this machine; unless --no-pin-s3, its threads are kept on the last core,
-since on a cluster the object store's CPU is other machines'.
-
 Model. Each kill costs the recovery R (restart to its first step done) and the work since the newest durable
 checkpoint L (expected k t (1 + o) / 2 + P). Failures strike at rate 1/MTBF over the whole wall time T, so
 T = T_ff + (T / MTBF)(R + L), with the failure-free T_ff = S + N t0 (1 + o), o = c / (k t0) and S the one-time start-up
@@ -634,9 +631,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--t0-steps", type=int, default=None,
                    help="with --repeats > 1: steps of the failure-free run before, between and after the rounds, "
                         "whose mean around a round is its t0 (default: --steps, a failure-free copy of the kill run)")
-    p.add_argument("--pin-s3", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --shared s3: run the S3 server on the last core only (default), where a cluster runs it "
-                        "on other machines; with --ranks 1 on 2 cores that is the core training leaves to the saves")
     p.add_argument("--quick", action="store_true", help="a short smoke run: few steps, MTBF 10 s")
     args = p.parse_args(argv)
     if args.ranks < 1:
@@ -675,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     server_proc = sock = None
     try:
         if args.shared == "s3":
-            server_proc, sock = start_s3(workdir, args.pin_s3)
+            server_proc, sock = start_s3(workdir)
         run_all(args, workdir, res)
     finally:
         if server_proc is not None:
@@ -702,24 +696,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(c["status"] == "ok" or c["status"].startswith("not supported") for c in res["configs"].values()) else 1
 
 
-def pin_to_last_core(pid: int) -> int | None:
-    """Every thread of ``pid`` on the machine's last core (threads it starts later inherit that); the core, or None on
-    one core. Threads are listed again until a pass finds none left to pin."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        return None
-    last, pinned = cores[-1], set()
-    while todo := {int(t) for t in os.listdir(f"/proc/{pid}/task")} - pinned:
-        for tid in todo:
-            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-                os.sched_setaffinity(tid, {last})
-        pinned |= todo
-    return last
-
-
-def start_s3(workdir: Path, pin: bool):
-    """A SeaweedFS server for --shared s3 (as the S3 tests start it), on the last core if ``pin``; sets ``S3``.
-    Returns (its process, socket dir)."""
+def start_s3(workdir: Path):
+    """A SeaweedFS server for --shared s3 (as the S3 tests start it); sets ``S3``. Returns (its process, socket dir)."""
     import secrets
 
     from tests.s3.conftest import _start_once, find_weed
@@ -733,9 +711,7 @@ def start_s3(workdir: Path, pin: bool):
     if server is None:
         raise SystemExit(f"error: could not start the S3 server: {err}")
     S3.update(uri=server.uri("goodput"), env=server.env(), pid=proc.pid)
-    core = pin_to_last_core(proc.pid) if pin else None
-    log(f"shared tier: {S3['uri']} (SeaweedFS {server.endpoint_url}"
-        + (f", its threads on core {core} only)" if core is not None else ")"))
+    log(f"shared tier: {S3['uri']} (SeaweedFS {server.endpoint_url})")
     return proc, sock
 
 
