@@ -1,9 +1,11 @@
 """Smoke test of the goodput benchmark harness (benchmarks/goodput.py, `make goodput`): it runs end to end and writes
 its report. It measures nothing: one configuration (the node-local tier, whose flags the harness sets apart, with a
-warm standby), the ranks started as srun starts them (benchmarks/launch.py), a few steps, one kill (at a step, so the
-machine's speed cannot let the run finish before it); the restart is served by the standby (no imports) and resumes
-from the local tier in /dev/shm, which the harness removes. Two rounds (--repeats 2): each starts afresh, and the
-report gives the median round with the spread."""
+warm standby), the ranks started as srun starts them (benchmarks/launch.py), a few steps, one kill at step 12 of 20
+(at a step, so the machine's speed cannot let the run finish before it; past the first save at any interval a quick
+calibration gives, which on a cold machine has come out at 6); the restart is served by the standby (no imports) and
+resumes from the local tier in /dev/shm, which the harness removes. Two rounds (--repeats 2): each starts afresh, its
+t0 is the mean of the failure-free runs before and after it (the run between the rounds serves both), and the report
+gives the median round with the spread."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from helpers import PY, ROOT, env_for_tests
 
 @pytest.mark.benchmark_smoke
 def test_goodput_harness_smoke(corpus, tmp_path):
-    proc = subprocess.run([PY, "-m", "benchmarks.goodput", "--quick", "--configs", "tiered-warm", "--kill-steps", "6",
+    proc = subprocess.run([PY, "-m", "benchmarks.goodput", "--quick", "--configs", "tiered-warm", "--kill-steps", "12",
                            "--launcher", "direct", "--repeats", "2",
                            "--dataset", corpus, "--out", str(tmp_path)],
                           cwd=ROOT, env=env_for_tests(), capture_output=True, text=True, timeout=300)
@@ -29,7 +31,12 @@ def test_goodput_harness_smoke(corpus, tmp_path):
     median, spread = row.split("|")[3].split("(")
     low, high = (float(x) for x in spread.strip(" )").split("–"))
     assert 0 < low <= float(median.strip(" *")) <= high <= 1, row
-    configs = json.loads((tmp_path / "goodput.json").read_text())["configs"]
+    report = json.loads((tmp_path / "goodput.json").read_text())
+    first, second = report["rounds"]
+    assert first["t0_after_s"] == second["t0_before_s"], report["rounds"]
+    for r in (first, second):
+        assert r["t0_s"] == (r["t0_before_s"] + r["t0_after_s"]) / 2 > 0, r
+    configs = report["configs"]
     tiered = next(c for c in configs if c["name"] == "tiered-warm")
     assert [r["round"] for r in tiered["rounds"]] == [1, 2]
     for r in tiered["rounds"]:
