@@ -625,9 +625,10 @@ def main(argv: list[str] | None = None) -> int:
                         "trains; 1 leaves a core to the background saves and the S3 server, as a GPU node's host "
                         "cores are left to them)")
     p.add_argument("--repeats", type=int, default=1,
-                   help="rounds of kill runs (default 1). Each round measures its own t0 first and runs every "
-                        "configuration on the same schedule, starting one configuration later than the round before; "
-                        "the report gives each configuration's median round and the spread")
+                   help="rounds of kill runs (default 1). Each round runs every configuration on the same schedule, "
+                        "starting one configuration later than the round before, and its t0 is the mean of the "
+                        "failure-free runs right before and after it (--t0-steps); the report gives each "
+                        "configuration's median round and the spread")
     p.add_argument("--t0-steps", type=int, default=None,
                    help="with --repeats > 1: steps of the failure-free run before, between and after the rounds, "
                         "whose mean around a round is its t0 (default: --steps, a failure-free copy of the kill run)")
