@@ -829,7 +829,8 @@ def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:
         if args.repeats > 1:
             t0_next = base_run(f"base-round{rnd + 2}", args.t0_steps).step_s
         t0_round = (t0_before + t0_next) / 2
-        res["rounds"].append({"t0_s": t0_round, "t0_before_s": t0_before, "t0_after_s": t0_next})
+        bracket = {"t0_before_s": t0_before, "t0_after_s": t0_next} if args.repeats > 1 else {}  # 1 round: the base t0
+        res["rounds"].append({"t0_s": t0_round, **bracket})
         for name, job, incarnations, server_s in done:
             c = res["configs"][name]
             cal, every = Calibration(**c["calibration"]), c["every"]
