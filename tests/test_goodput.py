@@ -5,7 +5,8 @@ warm standby), the ranks started as srun starts them (benchmarks/launch.py), a f
 calibration gives, which on a cold machine has come out at 6); the restart is served by the standby (no imports) and
 resumes from the local tier in /dev/shm, which the harness removes. Two rounds (--repeats 2): each starts afresh, its
 t0 is the mean of the failure-free runs before and after it (the run between the rounds serves both), and the report
-gives the median round with the spread."""
+gives the median round with the spread. The calibration measures the save cost inside its own run (saves in every
+other stretch of steps); with --delta-from blocked the interval stays below the kill's step."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from helpers import PY, ROOT, env_for_tests
 def test_goodput_harness_smoke(corpus, tmp_path):
     proc = subprocess.run([PY, "-m", "benchmarks.goodput", "--quick", "--configs", "tiered-warm", "--kill-steps", "12",
                            "--launcher", "direct", "--repeats", "2",
+                           "--delta-from", "blocked",  # the interval stays short of the kill at step 12
                            "--dataset", corpus, "--out", str(tmp_path)],
                           cwd=ROOT, env=env_for_tests(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -44,4 +46,24 @@ def test_goodput_harness_smoke(corpus, tmp_path):
         first, restart = r["incarnations"]
         assert first["resumed_from"] == 0, r  # a round never finds an earlier round's checkpoint
         assert restart["resumed_from"] > 0 and "imports 0.00s" in restart["recovery_line"], restart
+    cal = tiered["calibration"]  # measured inside the run (--quick: 2 pairs of stretches of 6 steps, pair 1 counts)
+    assert cal["stretch"] == 6 and len(cal["save_cost_pairs"]) == 1 and cal["save_cost_s"] >= cal["blocked_s"], cal
     assert not list(Path("/dev/shm").glob("pyrecover-goodput-*")), "a local tier was left behind"
+
+
+def test_calibration_measures_the_save_cost_against_quiet_stretches_of_the_same_run():
+    """benchmarks.goodput.stretch_costs on a made-up run: steps of 0.2 s that drift slowly (as this machine's speed
+    does), saves every 5 steps in every other stretch of 10, each adding 0.06 s to the step after it and 0.01 s to the
+    two after that (a background persist). The drift would swamp a comparison against another run; the pairs recover
+    0.08 s per save."""
+    from benchmarks.goodput import stretch_costs
+
+    stretch, steps, every = 10, 82, 5
+    saves = {s for s in range(every, steps, every) if (s - 1) // stretch % 2 == 0}
+    rows, t = {}, 0.0
+    for s in range(1, steps + 1):
+        t += 0.2 * (1 + s / 1000) + 0.06 * (s - 1 in saves) + 0.01 * (s - 2 in saves) + 0.01 * (s - 3 in saves)
+        rows[s] = t
+    costs = stretch_costs(rows, saves, stretch, steps)
+    assert len(costs) == 3  # pairs 1, 2 and 3; pair 0 pays the one-off costs of a first save, 4 reaches the final step
+    assert all(abs(c - 0.08) < 1e-9 for c in costs), costs  # the quiet halves on both sides cancel the drift

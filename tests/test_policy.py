@@ -18,7 +18,7 @@ from helpers import PY, ROOT, TINY, LogLines, check_weights, env_for_tests, loss
 sys.path.insert(0, str(ROOT))
 from checkpoint import policy, slurm  # noqa: E402
 from checkpoint.policy import (INTERVAL, SIGNAL, TERM, WALLTIME, IntervalPolicy, RequeueSettings,  # noqa: E402
-                               SignalWatcher, StepBoundary, WallClockInterval)
+                               SignalWatcher, StepBoundary, WallClockInterval, When, step_boundary)
 from checkpoint.walltime import DeadlineReader, WalltimePolicy, parse_walltime  # noqa: E402
 
 
@@ -235,6 +235,15 @@ def test_step_interval_and_final_step_need_no_vote():
     b.start()
     assert [s for s in range(1, 13) if b(s).save] == [5, 10, 12]
     assert not any(b(s).stop for s in range(1, 13))
+
+
+def test_save_stretch_knob_saves_only_in_every_other_stretch_and_always_at_the_end():
+    """PYRECOVER_SAVE_STRETCH (benchmarks/goodput.py's calibration): saves in steps 1-10, 21-30, none in 11-20, 31-35."""
+    b = step_boundary(When(every_steps=5, final_step=35), rank=0, agree=lambda v: v, signals=None,
+                      environ={"PYRECOVER_SAVE_STRETCH": "10"})
+    b.start()
+    assert [s for s in range(1, 36) if b(s).save] == [5, 10, 25, 30, 35]
+    assert IntervalPolicy(every_steps=5, final_step=35, stretch=0).due(15)  # off: every 5th step
 
 
 # ----------------------------------------------------------------------------------------------------------------------
