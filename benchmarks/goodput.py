@@ -282,25 +282,29 @@ class Calibration:
     save_cost_s: float  # extra wall time per save, >= blocked_s (see calibrate)
     stretch: int = 0  # saves only in every other stretch of this many steps (0: in every step's turn)
     save_cost_pairs: list[float] = field(default_factory=list)  # with a stretch: the save cost of each pair measured
+    reach: int = 0  # with a stretch: the steps after a save counted as its cost (see stretch_costs)
 
 
-def stretch_costs(rows: dict[int, float], save_steps: set[int], stretch: int, steps: int) -> list[float]:
+def stretch_costs(rows: dict[int, float], save_steps: set[int], stretch: int, steps: int, reach: int) -> list[float]:
     """The extra wall time per save of each pair of stretches after the first (whose first save pays one-off costs:
-    host buffers, a process): pair j starts at step b = 2 j S; its saves are those after steps b+1 .. b+S, and a save
-    after step s delays step s + 1 and, through its background persist, a few more. So the steps b+2 .. b+1.5S (the
-    save stretch and half the quiet one) are measured against the quiet halves on either side, b-0.5S+1 .. b+1 and
-    b+1.5S+1 .. b+2S+1: the mean of their two means is the step time at the middle of the measured steps, even while
-    the machine's speed drifts (linearly). The final step (it always saves) stays out."""
+    host buffers, a process). Pair j starts at step b = 2 j S; its saves are those after steps b+1 .. b+S. A save after
+    step s delays step s + 1 (its blocking part) and, while it persists in the background, the next few: ``reach``
+    steps in all. Each of those steps is measured against the step time of the quiet half-stretches on either side,
+    b-0.5S+1 .. b+1 and b+1.5S+1 .. b+2S+1, interpolated between their means to that step: so a steady drift of the
+    machine's speed cancels. Only the steps a save reaches count: the others would add their noise (one
+    step is some 10 % off the next here), not the save's cost. The final step (it always saves) stays out."""
     half, costs = stretch // 2, []
     j = 1
     while 2 * j * stretch + 2 * stretch + 1 < steps:
         b = 2 * j * stretch
-        noisy = range(b + 2, b + stretch + half + 1)
+        mine = sorted(s for s in save_steps if b < s <= b + stretch)
+        noisy = sorted({s + i for s in mine for i in range(1, reach + 1)})
         before, after = range(b - stretch + half + 1, b + 2), range(b + stretch + half + 1, b + 2 * stretch + 2)
-        saves = sum(b < s <= b + stretch for s in save_steps)
-        if saves and all(s in rows and s - 1 in rows for s in (*before, *noisy, *after)):
-            base = statistics.mean(statistics.mean(rows[s] - rows[s - 1] for s in quiet) for quiet in (before, after))
-            costs.append(sum(rows[s] - rows[s - 1] - base for s in noisy) / saves)
+        if mine and all(s in rows and s - 1 in rows for s in (*before, *noisy, *after)):
+            (x0, y0), (x1, y1) = ((statistics.mean(q), statistics.mean(rows[s] - rows[s - 1] for s in q))
+                                  for q in (before, after))
+            extra = sum(rows[s] - rows[s - 1] - (y0 + (y1 - y0) * (s - x0) / (x1 - x0)) for s in noisy)
+            costs.append(extra / len(mine))
         j += 1
     return costs
 
@@ -321,7 +325,9 @@ def calibrate(cmd: list[str], csv_path: Path, steps: int, every: int, skip: int,
     blocked = job.incarnations[0].blocked_per_save
     if blocked is None:
         blocked = statistics.median(s["blocked_s"] for s in saves) if saves else 0.0
-    pairs = stretch_costs(rows, {s["step"] for s in saves}, stretch, steps) if stretch and saves else []
+    persist = statistics.median(max(0.0, s["durable_s"] - s["blocked_s"]) for s in saves) if saves else 0.0
+    reach = min(every, 1 + math.ceil(persist / step_s)) if every else 1  # the steps a save's persist overlaps
+    pairs = stretch_costs(rows, {s["step"] for s in saves}, stretch, steps, reach) if stretch and saves else []
     between = sum(skip <= s["step"] < steps for s in saves)  # a save after row s delays step s + 1
     if pairs:
         cost = max(statistics.mean(pairs), blocked)
@@ -329,9 +335,9 @@ def calibrate(cmd: list[str], csv_path: Path, steps: int, every: int, skip: int,
         cost = max((step_s - t0) * (steps - skip) / between, blocked) if t0 is not None and between else 0.0
     return Calibration(
         steps=steps, every=every, skip=skip, step_s=step_s, blocked_s=blocked,
-        persist_s=statistics.median(max(0.0, s["durable_s"] - s["blocked_s"]) for s in saves) if saves else 0.0,
+        persist_s=persist,
         startup_s=rows[1] - job.origin - step_s, finish_s=job.origin + job.wall - rows[steps], saves=len(saves),
-        save_cost_s=cost, stretch=stretch if pairs else 0, save_cost_pairs=pairs), job
+        save_cost_s=cost, stretch=stretch if pairs else 0, save_cost_pairs=pairs, reach=reach if pairs else 0), job
 
 
 def young_daly(delta: float, persist: float, mtbf: float, t0: float) -> tuple[float, float, int]:
@@ -510,25 +516,27 @@ def render(res: dict) -> str:
               "step absorbing it are left out, since one-off costs of a start's first save (allocating host buffers, "
               "starting a process) recur per start, not per save. Save cost = extra wall time per save, "
               + (f"measured inside the calibration run: per pair of stretches after the first (2 × {stretch} steps), "
-                 f"the steps from the save stretch's second to the middle of the quiet stretch, less as many steps at "
-                 f"the step time of the quiet half-stretches on either side (the mean of their means, which cancels a "
-                 f"steady drift of the machine's speed), divided by the pair's saves; the mean over the pairs "
+                 f"the steps each save of the save stretch reaches (the step after it and those its background "
+                 f"persist overlaps: 1 + ⌈P / step⌉, the column `reach`), less the step time of the quiet "
+                 f"half-stretches on either side, interpolated between their means to each step (a steady drift of "
+                 f"the machine's speed cancels), divided by the pair's saves; the mean over the pairs "
                  f"(their min–max in brackets)" if stretch else "(step time − t0) × rows / saves among those rows")
               + ", at least the logged blocking time (on shared cores the difference alone can come out below it).",
               "",
-              "| configuration | step s | save cost s | blocked s per save | persist s (median) | start-up s | "
-              "finish s | saves |", "|---|---:|---:|---:|---:|---:|---:|---:|",
-              f"| no checkpoint (t0) | {f(t0, 3)} | – | – | – | {f(res['base']['startup_s'], 1)} | "
+              "| configuration | step s | save cost s | reach (steps) | blocked s per save | persist s (median) | "
+              "start-up s | finish s | saves |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+              f"| no checkpoint (t0) | {f(t0, 3)} | – | – | – | – | {f(res['base']['startup_s'], 1)} | "
               f"{f(res['base']['finish_s'], 1)} | {res['base']['saves']} |"]
     for name, c in res["configs"].items():
         cal = c.get("calibration")
         if cal:
             pairs = cal.get("save_cost_pairs") or []
             cost = f(cal["save_cost_s"], 3) + (f" ({f(min(pairs), 3)}–{f(max(pairs), 3)})" if pairs else "")
-            lines.append(row(name, f(cal["step_s"], 3), cost, *(f(cal[k], 3) for k in ("blocked_s", "persist_s")),
+            lines.append(row(name, f(cal["step_s"], 3), cost, cal.get("reach") or "–",
+                             *(f(cal[k], 3) for k in ("blocked_s", "persist_s")),
                              f(cal["startup_s"], 1), f(cal["finish_s"], 1), cal["saves"]))
         elif c["status"] != "ok":
-            lines.append(f"| {name} | {c['status']} | | | | | | |")
+            lines.append(f"| {name} | {c['status']} | | | | | | | |")
     lines += ["", "## Model vs measured", "",
               "Per kill the job loses the recovery R and the work since the newest durable checkpoint L; failures "
               "come at rate 1/MTBF over the whole wall time T, so T = T_ff + (T / MTBF)(R + L) with T_ff = S + "

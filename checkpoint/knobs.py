@@ -108,7 +108,7 @@ def step_sleep_s(environ: Mapping[str, str] | None = None) -> float:
 
 
 def save_stretch(environ: Mapping[str, str] | None = None) -> int:
-    """PYRECOVER_SAVE_STRETCH: the length of the alternating save / no-save stretches (0: off, also when not a number)."""
+    """PYRECOVER_SAVE_STRETCH: the length of the alternating save / no-save stretches (0: off, or not a number)."""
     raw = _env(environ).get("PYRECOVER_SAVE_STRETCH", "")
     return int(raw) if raw.isdigit() else 0
 

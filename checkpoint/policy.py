@@ -442,7 +442,8 @@ def step_boundary(when: When, *, rank: int, agree: Callable[[float], float], sig
         walltime = WalltimePolicy(reader, margin_s=when.walltime_margin_s)
         walltime.start()
     every = WallClockInterval(when.every_minutes) if when.every_minutes and rank == 0 else None
-    return StepBoundary(IntervalPolicy(when.every_steps, when.final_step, knobs.save_stretch(environ)), agree=agree, rank=rank,
+    interval = IntervalPolicy(when.every_steps, when.final_step, knobs.save_stretch(environ))
+    return StepBoundary(interval, agree=agree, rank=rank,
                         signals=signals, walltime=walltime, every_minutes=every,
                         requeue=RequeueSettings(when.requeue, when.max_restarts), environ=environ,
                         step_sleep=knobs.step_sleep_s(environ), save_history=save_history, fenced=fenced)

@@ -55,7 +55,7 @@ def test_calibration_measures_the_save_cost_against_quiet_stretches_of_the_same_
     """benchmarks.goodput.stretch_costs on a made-up run: steps of 0.2 s that drift slowly (as this machine's speed
     does), saves every 5 steps in every other stretch of 10, each adding 0.06 s to the step after it and 0.01 s to the
     two after that (a background persist). The drift would swamp a comparison against another run; the pairs recover
-    0.08 s per save."""
+    0.08 s per save, counting the 3 steps a save reaches."""
     from benchmarks.goodput import stretch_costs
 
     stretch, steps, every = 10, 82, 5
@@ -64,6 +64,6 @@ def test_calibration_measures_the_save_cost_against_quiet_stretches_of_the_same_
     for s in range(1, steps + 1):
         t += 0.2 * (1 + s / 1000) + 0.06 * (s - 1 in saves) + 0.01 * (s - 2 in saves) + 0.01 * (s - 3 in saves)
         rows[s] = t
-    costs = stretch_costs(rows, saves, stretch, steps)
+    costs = stretch_costs(rows, saves, stretch, steps, reach=3)
     assert len(costs) == 3  # pairs 1, 2 and 3; pair 0 pays the one-off costs of a first save, 4 reaches the final step
     assert all(abs(c - 0.08) < 1e-9 for c in costs), costs  # the quiet halves on both sides cancel the drift

@@ -238,7 +238,7 @@ def test_step_interval_and_final_step_need_no_vote():
 
 
 def test_save_stretch_knob_saves_only_in_every_other_stretch_and_always_at_the_end():
-    """PYRECOVER_SAVE_STRETCH (benchmarks/goodput.py's calibration): saves in steps 1-10, 21-30, none in 11-20, 31-35."""
+    """PYRECOVER_SAVE_STRETCH (benchmarks/goodput.py's calibration): saves in steps 1-10, 21-30, not 11-20, 31-34."""
     b = step_boundary(When(every_steps=5, final_step=35), rank=0, agree=lambda v: v, signals=None,
                       environ={"PYRECOVER_SAVE_STRETCH": "10"})
     b.start()
