@@ -9,9 +9,10 @@ seconds from the configuration's start, for every configuration -- and restarted
 
 Measured before the kill runs: t0 (one run that saves only at its end), and per configuration a failure-free
 calibration run saving every K steps in every other stretch of S steps (--calib-stretch; the knob
-PYRECOVER_SAVE_STRETCH): the extra wall time per save c, from the steps around each save stretch against the steps of
-the same process that follow it without saves (one run against another is up to 10 % off, more than c adds to a step),
-the blocking time per save and the background persist time P (both as train.py logs them). The kill run's interval is
+PYRECOVER_SAVE_STRETCH): the extra wall time per save c, from the steps each save reaches (the one after it and those
+its background persist overlaps) against the quiet stretches of the same process on either side (one run against
+another is up to 10 % off, more than c adds to a step; see stretch_costs), the blocking time per save and the
+background persist time P (both as train.py logs them). The kill run's interval is
 Young/Daly's tau = sqrt(2 delta MTBF), delta = c (--delta-from cost, the default) or the blocking time, at least P (an
 async save must be durable before the next one starts, or saves queue), in steps k = round(tau / t0).
 
