@@ -12,9 +12,9 @@ calibration run saving every K steps in every other stretch of S steps (--calib-
 PYRECOVER_SAVE_STRETCH): the extra wall time per save c, from the steps each save reaches (the one after it and those
 its background persist overlaps) against the quiet stretches of the same process on either side (one run against
 another is up to 10 % off, more than c adds to a step; see stretch_costs), the blocking time per save and the
-background persist time P (both as train.py logs them). The kill run's interval is
-Young/Daly's tau = sqrt(2 delta MTBF), delta = c (--delta-from cost, the default) or the blocking time, at least P (an
-async save must be durable before the next one starts, or saves queue), in steps k = round(tau / t0).
+background persist time P (both as train.py logs them). The kill run's interval is Young/Daly's
+tau = sqrt(2 delta MTBF), delta = c (--delta-from cost, the default) or the blocking time, at least P (an async save
+must be durable before the next one starts, or saves queue), in steps k = round(tau / t0).
 
 Rounds (--repeats R). One run of a configuration can be 20 % off the next on shared cores, more than configurations
 differ. With R > 1 the kill runs come in R rounds on the same schedule, each starting one configuration later than
@@ -703,8 +703,9 @@ def main(argv: list[str] | None = None) -> int:
     args.calib_every = args.calib_every or (3 if q else 5)
     if args.calib_stretch is None:
         args.calib_stretch = args.calib_every * (2 if q else SHARED_FACTOR)
-    args.calib_steps = args.calib_steps or (2 * args.calib_stretch * (2 if q else 4) + 2 if args.calib_stretch else
-                                            8 if q else 100)
+    if not args.calib_steps:  # with stretches: pairs of them (the first is left out) and the final step kept apart
+        pairs = 2 if q else 4
+        args.calib_steps = 2 * args.calib_stretch * pairs + 2 if args.calib_stretch else (8 if q else 100)
     args.t0_steps = args.t0_steps or args.steps
     if args.calib_steps < 2 * args.calib_every + 2:
         p.error("--calib-steps must be at least 2 x --calib-every + 2: the step time leaves out the first save")
