@@ -21,9 +21,10 @@ import shutil
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Callable
+from typing import Callable, Iterator
 
 from . import storage
 from .backends import BACKENDS  # the registry alone: the backend modules, which build on this one, load lazily
@@ -425,12 +426,76 @@ class Parsed:
     error: CheckpointError | None = None
 
 
+class VerifiedAhead:
+    """What a restart verified and parsed before its load asked (Session.read_ahead, on the read-ahead's thread), by
+    (path, size, checksum algorithm, checksum). The load's verify() and take_verified() take a file from here instead
+    of reading it again when the manifest they check lists that same size and checksum: the bytes checked against it
+    are then the file as that manifest has it, whatever the file holds by now. Taken only while ``taking`` lends it to
+    this module (Session.open, once the read-ahead's thread has ended), and only once: a parsed state is handed over,
+    not copied."""
+
+    def __init__(self) -> None:
+        self._found: dict[tuple, Parsed] = {}
+
+    @staticmethod
+    def _key(path, record: dict, algorithm: str) -> tuple:
+        return str(path), int(record["size"]), algorithm, record[algorithm]
+
+    def check(self, path, record: dict, algorithm: str, parse: Callable) -> None:
+        """Read and check ``path`` against ``record``, and parse it as the load will (Backend.parse_file). A file that
+        fails its check is not kept: the load reads it again, and says what is wrong."""
+        data = storage.read_checked(path, record["size"], algorithm, record[algorithm])
+        try:
+            found = Parsed(value=parse(path, data))
+        except CheckpointError as e:
+            found = Parsed(error=e)
+        self._found[self._key(path, record, algorithm)] = found
+
+    def take(self, path, record: dict, algorithm: str) -> "Parsed | None":
+        return self._found.pop(self._key(path, record, algorithm), None)
+
+    def __len__(self) -> int:
+        return len(self._found)
+
+    def clear(self) -> None:
+        self._found.clear()
+
+
+_ahead: VerifiedAhead | None = None  # lent by ``taking`` for one load
+
+
+@contextmanager
+def taking(ahead: VerifiedAhead | None) -> Iterator[None]:
+    """The load inside takes verified files from ``ahead`` (see VerifiedAhead); what it left is dropped after."""
+    global _ahead
+    _ahead = ahead
+    try:
+        yield
+    finally:
+        _ahead = None
+        if ahead is not None:
+            ahead.clear()
+
+
+def _take_ahead(path, record: dict, algorithm: str) -> "Parsed | None":
+    return _ahead.take(path, record, algorithm) if _ahead is not None else None
+
+
 def _read_checked(listed: list[tuple[Path, dict]], algorithm: str, keep: bool, parse) -> dict:
     """Read and check every listed file; with ``keep``, what the load needs of each, by path. With a ``parse``, each
     verified file is parsed while a thread reads the next one: the read (the kernel's, and xxh3) runs without the GIL,
     so it overlaps the parse's copy into new memory. Largest first, so the one parse nothing overlaps is a small
     one. Nothing is applied to any state here: a file that fails its check discards what was parsed before it."""
     kept: dict = {}
+    if parse is not None:  # read ahead, checked against the same record: not read again
+        left = []
+        for path, rec in listed:
+            found = _take_ahead(path, rec, algorithm)
+            if found is None:
+                left.append((path, rec))
+            elif keep:
+                kept[str(path)] = found
+        listed = left
     if not (keep and parse):
         for path, rec in listed:
             data = storage.read_checked(path, rec["size"], algorithm, rec[algorithm])
@@ -460,6 +525,8 @@ def take_verified(path: Path, record: dict, algorithm: str, verified: dict | Non
     """What verify() kept of a manifest-listed file (its bytes, or its ``Parsed`` form), else its bytes, read now and
     verified as they arrive."""
     data = verified.pop(str(path), None) if verified else None
+    if data is None:
+        data = _take_ahead(path, record, algorithm)
     return data if data is not None else storage.read_checked(path, record["size"], algorithm, record[algorithm])
 
 

@@ -480,7 +480,7 @@ class CheckpointManager:
         _log.info(
             f"resumed from {info.path} (step {info.step}, {info.manifest['backend']} backend"
             + (f"; {tier}" if tier else "")
-            + f", {size / MiB:.1f} MiB in {self.load_seconds:.2f}s, {size / MiB / max(self.load_seconds, 1e-9):.0f} MiB/s)"
+            + f", {size / MiB:.1f} MiB in {self.load_seconds:.3f}s, {size / MiB / max(self.load_seconds, 1e-9):.0f} MiB/s)"
         )
 
     # An incarnation opens the run directory in two halves, so the caller can check what was loaded before anything

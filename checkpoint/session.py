@@ -28,6 +28,7 @@ from typing import Callable
 
 from . import fsio, knobs, layout, lease as run_lease, slurm, storage
 from .backends import RankInfo, check_combination, make_backend
+from .backends.torchfile import rank_file
 from .errors import CheckpointError
 from .jit import JustInTime, NoJIT
 from .manager import CheckpointManager, SaveRecord
@@ -101,6 +102,7 @@ class Session:
         self._saved_at: int | None = None
         self._failed_at: int | None = None  # --on-save-error continue: the final checkpoint must still exist
         self._read_ahead: storage.ReadAhead | None = None  # a restart's step folder, read while setting up
+        self._verified_ahead = layout.VerifiedAhead()  # ... and verified and parsed there, for the load to take
 
     # --- the run directory ---------------------------------------------------------------------------------------
     def check_writable(self) -> None:
@@ -169,66 +171,111 @@ class Session:
 
     def read_ahead(self, spec: str | None) -> storage.ReadAhead | None:
         """Start reading, in the background, what this rank's load of ``spec`` will most likely read, so a restart's
-        read overlaps its setup until ``open``: the newest committed step as listed now (`latest`), or the step or
-        folder asked for. Not verified, and never trusted: the load verifies, as always. From a filesystem into the
-        page cache; from object storage into memory the load takes. For `latest`, not when this rank's node-local
-        tier holds that step or a newer one (the load takes that copy). PYRECOVER_READ_AHEAD=off turns it off.
-        Returns the read-ahead started, if any."""
+        read overlaps its setup until ``open``: the newest committed step as listed now (`latest`: this rank's part
+        in its node-local tier if that holds the step or a newer one, as the load then takes that copy), or the step
+        or folder asked for. From a filesystem into the page cache; from object storage into memory. Each file read
+        whole is then verified against the manifest and parsed as the load parses it (layout.VerifiedAhead), so the
+        load takes it without reading it again, if its own manifest lists the same checksum. PYRECOVER_READ_AHEAD=off
+        turns it off. Returns the read-ahead started, if any."""
         self._end_read_ahead(quiet=True)
         if not spec or knobs.read_ahead_disabled():
             return None
         try:
             for where in self._roots() + ([] if spec == "latest" or spec.isdigit() else [spec]):
                 storage.medium(where).connect()  # a client and its imports on this thread, not the reader's
-            self._read_ahead = storage.ReadAhead(lambda: self._read_ahead_plan(spec))
+            records: dict[str, tuple[dict, str]] = {}  # what each planned file must verify against
+            self._verified_ahead = verified = layout.VerifiedAhead()  # this read-ahead's alone
+            self._read_ahead = storage.ReadAhead(
+                lambda: self._read_ahead_plan(spec, records),
+                then=lambda path: self._verify_ahead(verified, path, *records[str(path)]))
         except CheckpointError:
             return None  # e.g. no S3 client library: the load says so, in its words
         except RuntimeError as e:  # no thread to be had (a process limit): the load reads it all, as before
             _log.debug(f"read-ahead not started: {e}")
         return self._read_ahead
 
-    def _read_ahead_plan(self, spec: str) -> tuple[str, list[tuple[Path, int]]] | None:
-        """(the step folder, [(file, size)]) the read-ahead reads; on its own thread (listing and a manifest take time
-        on shared storage too). It imports nothing: an import on a second thread can meet the main thread's imports
-        in the interpreter's import locks."""
+    def _read_ahead_plan(self, spec: str, records: dict) -> tuple[str, list[tuple[Path, int]]] | None:
+        """(the step folder, [(file, size)]) the read-ahead reads, and into ``records`` what each must verify
+        against; on its own thread (listing and a manifest take time on shared storage too). It imports nothing: an
+        import on a second thread can meet the main thread's imports in the interpreter's import locks."""
         step_dirs = self._step_dirs(spec)
-        if not step_dirs:
-            return None
-        step_dir = step_dirs[0]
-        # a linked step folder is never loaded (layout.resolve, list_checkpoints): nothing is read through it
-        if storage.is_link(step_dir) or not step_dir.is_dir():
-            return None
-        manifest = layout.read_manifest(step_dir)
+        newest = layout.read_manifest(step_dirs[0])["step"] if step_dirs and self._readable(step_dirs[0]) else None
         if spec == "latest" and self.settings.local_dir:  # the load takes a local copy of that step or a newer one
             mine = tier_root(self.settings.local_dir, self.settings.experiment, str(self.root)) / rank_dir_name(
                 self.rank.rank)
-            if any(i.committed and i.step >= manifest["step"] for i in layout.list_checkpoints(mine)):
-                return None
+            local = [i for i in layout.list_checkpoints(mine) if i.committed and i.step >= (newest or 0)]
+            if local:  # this rank's part, and the shared pieces from its node leader's part (the rank's own, on it)
+                step_dir = local[-1].path
+                manifest = layout.read_manifest(step_dir)
+                planned = self._plan_files(step_dir, manifest, list(manifest["files"]), records)
+                leader = manifest.get("meta", {}).get("tier", {}).get("leader", self.rank.rank)
+                if planned is not None and isinstance(leader, int) and leader != self.rank.rank:
+                    planned[1].extend(self._plan_leader(mine.parent / rank_dir_name(leader) / step_dir.name, leader,
+                                                        records))
+                return planned
+        if newest is None:
+            return None
+        manifest = layout.read_manifest(step_dirs[0])
+        return self._plan_files(step_dirs[0], manifest, self.backend.files_read(manifest, self.rank.rank), records)
+
+    def _plan_leader(self, leader_dir: Path, leader: int, records: dict) -> list[tuple[Path, int]]:
+        """The shared pieces in the node leader's part of a local step, if it holds that step."""
+        if not self._readable(leader_dir):
+            return []
+        try:
+            theirs = layout.read_manifest(leader_dir)
+        except CheckpointError:
+            return []  # the load says what is wrong with it
+        planned = self._plan_files(leader_dir, theirs, [n for n in theirs["files"] if n != rank_file(leader)], records)
+        return planned[1] if planned is not None else []
+
+    @staticmethod
+    def _readable(step_dir) -> bool:
+        # a linked step folder is never loaded (layout.resolve, list_checkpoints): nothing is read through it
+        return not storage.is_link(step_dir) and step_dir.is_dir()
+
+    def _plan_files(self, step_dir, manifest: dict, names: list[str], records: dict):
         if manifest["backend"] != self.backend.name:  # another backend's format: its module is not imported here
             return None
-        names = self.backend.files_read(manifest, self.rank.rank)
-        return str(step_dir), [(layout.member(step_dir, n, manifest), int(manifest["files"][n]["size"])) for n in names]
+        files = [(layout.member(step_dir, n, manifest), manifest["files"][n]) for n in names]
+        records.update({str(path): (record, manifest["checksum"]) for path, record in files})
+        return str(step_dir), [(path, int(record["size"])) for path, record in files]
+
+    def _verify_ahead(self, verified: layout.VerifiedAhead, path, record: dict, algorithm: str) -> None:
+        """A file the read-ahead read whole, verified and parsed now, on its thread (layout.VerifiedAhead)."""
+        if self.backend.parse_file is None:  # DCP: its load plans its own reads
+            return
+        try:
+            verified.check(path, record, algorithm, self.backend.parse_file)
+        except (OSError, CheckpointError):
+            pass  # the load reads it again, and says what is wrong
 
     def _end_read_ahead(self, quiet: bool = False) -> storage.ReadAhead | None:
         ahead, self._read_ahead = self._read_ahead, None
         if ahead is not None:
             read = ahead.stop()
             if ahead.label and not quiet:
+                parsed = f", {len(self._verified_ahead)} files verified and parsed" if len(self._verified_ahead) else ""
                 _log.info(f"read ahead {read / fsio.MiB:.1f} of {ahead.nbytes / fsio.MiB:.1f} MiB of {ahead.label} "
-                          "while setting up")
+                          f"while setting up{parsed}")
             if quiet:
                 ahead.release()
+                self._verified_ahead = layout.VerifiedAhead()  # a thread left behind keeps the one it fills
         return ahead
 
     def open(self, spec: str | None, state: CheckpointState) -> int | None:
         """Sweep what crashed incarnations left, then restore ``state`` from ``spec`` (`latest`, a step, a path; None:
         start fresh). Returns the step (None: nothing loaded). Nothing the run committed has moved yet."""
         ahead = self._end_read_ahead()
+        # what the read-ahead verified, once its thread is done with it (one left behind by stop() is not trusted)
+        verified = self._verified_ahead if ahead is not None and ahead.ended else None
         try:
-            return self._open(spec, state)
+            with layout.taking(verified):
+                return self._open(spec, state)
         finally:
+            self._verified_ahead = layout.VerifiedAhead()  # what the load did not take is not held for the run
             if ahead is not None:
-                ahead.release()  # what the load did not take
+                ahead.release()
 
     def _open(self, spec: str | None, state: CheckpointState) -> int | None:
         s, main = self.settings, self.rank.is_main

@@ -23,7 +23,8 @@ def test_bench_targets_quick_runs_every_section(corpus, tmp_path):
         assert (tmp_path / "out" / name).stat().st_size > 0, name
     res = json.loads((tmp_path / "out" / "bench_targets.json").read_text())
     assert set(res["training"]["overhead_pct"]) == {"concurrent", "dcp async (thread)", "dcp async (process)"}
-    for name in ("concurrent", "dcp async (thread)", "local tier (/dev/shm)"):  # the resume phase (it once failed
+    for name in ("concurrent", "dcp async (thread)", "local tier (/dev/shm)",
+                 "local tier, no read-ahead (PYRECOVER_READ_AHEAD=off)"):  # the resume phase (it once failed
         # on a flag the card recorded); the local tier's restart reads /dev/shm
         assert res["resume"][name]["recovery_s"]["median"] > 0, res["resume"]
     s3 = res["resume"]["s3"]  # a replaced node's restart from SeaweedFS, with and without the read-ahead

@@ -22,6 +22,7 @@ from checkpoint import CheckpointState, Session, Settings, When  # noqa: E402
 from checkpoint.backends.base import RankInfo  # noqa: E402
 from checkpoint.errors import CheckpointError  # noqa: E402
 from checkpoint.storage import ReadAhead  # noqa: E402
+from checkpoint.tier import tier_root  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60, method="thread")  # a read-ahead that waits on a file fails, not hangs
 
@@ -63,10 +64,18 @@ def _run(session: Session, spec: str | None, last: int) -> tuple[int | None, Val
     return step, model
 
 
+_LINE = r"read ahead ([\d.]+) of ([\d.]+) MiB of (\S+) while setting up(?:, (\d+) files verified and parsed)?"
+
+
 def _read_ahead(logs: LogLines) -> list[tuple[float, float, str]]:
     """(MiB read, MiB to read, step folder) of each read-ahead line."""
-    found = [re.fullmatch(r"read ahead ([\d.]+) of ([\d.]+) MiB of (\S+) while setting up", m) for m in logs]
+    found = [re.fullmatch(_LINE, m) for m in logs]
     return [(float(m.group(1)), float(m.group(2)), m.group(3)) for m in found if m]
+
+
+def _parsed_ahead(logs: LogLines) -> list[int]:
+    """How many files each read-ahead verified and parsed for the load."""
+    return [int(m.group(4) or 0) for m in (re.fullmatch(_LINE, m) for m in logs) if m]
 
 
 def _mib(step_dir: Path) -> float:
@@ -83,6 +92,7 @@ def test_a_restart_reads_ahead_the_step_it_loads(tmp_path):
     eight, four = ck / "default" / "step-00000008", ck / "default" / "step-00000004"
     assert (step, state.v) == (8, 10)
     assert _read_ahead(logs) == [(_mib(eight), _mib(eight), str(eight))] and _mib(eight) >= 1, list(logs)
+    assert _parsed_ahead(logs) == [2], list(logs)  # model.pt and rank-00000.pt, handed to the load
 
     logs = LogLines()
     step, _ = _run(_session(ck, every=4), "4", 5)  # an explicit step: that one
@@ -93,13 +103,46 @@ def test_a_restart_reads_ahead_the_step_it_loads(tmp_path):
     assert step == 4 and _read_ahead(logs) == [(_mib(four), _mib(four), str(four))], list(logs)
 
 
-def test_a_step_the_local_tier_holds_is_not_read_from_the_shared_tier(tmp_path):
+def test_a_step_the_local_tier_holds_is_read_ahead_from_there_not_from_the_shared_tier(tmp_path):
     ck, local = tmp_path / "ck", tmp_path / "local"
     _run(_session(ck, local, every=4, local_every=2), None, 7)  # shared: 4; local: 4 and 6
     logs = LogLines()
-    step, _ = _run(_session(ck, local, every=4, local_every=2), "latest", 8)
-    assert step == 6 and logs.has("from their local tier"), list(logs)
-    assert _read_ahead(logs) == [], list(logs)
+    step, state = _run(_session(ck, local, every=4, local_every=2), "latest", 8)
+    assert (step, state.v) == (6, 8) and logs.has("from their local tier"), list(logs)
+    six = tier_root(local, "default", str(ck / "default")) / "rank-00000" / "step-00000006"
+    assert _read_ahead(logs) == [(_mib(six), _mib(six), str(six))] and _parsed_ahead(logs) == [2], list(logs)
+
+
+def _damage(path: Path) -> None:
+    """Flip a byte in the middle of ``path``, in place: same size, same inode, another checksum."""
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_the_load_takes_what_the_read_ahead_verified_and_never_what_failed(tmp_path):
+    """What the read-ahead verified against the manifest is what the load gets, even if the file changes after; a
+    file that failed there is read again by the load, which refuses it as always."""
+    ck = tmp_path / "ck"
+    _run(_session(ck, every=4), None, 8)
+    eight = ck / "default" / "step-00000008"
+    expected = Value().w.clone()  # as saved; the byte flipped below is one of its
+
+    session = _session(ck, every=4)
+    ahead = session.read_ahead("latest")
+    assert ahead.wait(timeout=30)
+    _damage(eight / "model.pt")  # after it was verified: the load does not read it again
+    model = Value()
+    assert session.open("latest", CheckpointState(model=model, dataloader=Value())) == 8
+    assert model.v == 8 and torch.equal(model.w, expected)
+    session.release()
+
+    logs = LogLines()  # damaged before the read-ahead: not kept there, and the load skips the step
+    step, model = _run(_session(ck, every=4), "latest", 9)
+    assert step == 4 and model.v == 9 and logs.has(f"skipping {eight}"), list(logs)
+    assert _parsed_ahead(logs) == [1], list(logs)  # its rank file verified; model.pt did not
 
 
 @pytest.mark.parametrize("name", ["model.pt", "COMMITTED"])

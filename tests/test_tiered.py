@@ -109,6 +109,45 @@ def test_whole_job_kills_resume_from_the_local_tier_then_a_swapped_node_from_the
     assert not mine.exists(), "a clean end leaves the local tier empty"
 
 
+def test_two_ranks_of_one_node_read_ahead_their_leaders_pieces_and_resume_bitwise(tmp_path, corpus, reference):
+    """Two ranks on one node: its leader (rank 0) holds the shared pieces, rank 1 only its own file. After a kill,
+    rank 1's read-ahead plans its part and the leader's shared pieces and verifies and parses them before its load
+    (shown in process: the plan needs no process group); the restart through the CLI loads both ranks from the
+    local tier and ends bitwise."""
+    from checkpoint import Session, Settings, When
+    from checkpoint.backends.base import RankInfo
+
+    ckpt, local = tmp_path / "ckpt", tmp_path / "local"
+    args = _args(corpus, ckpt, local)
+    killed = run_torchrun(2, args, env={"PYRECOVER_CRASH_AT_STEP": "9"})
+    assert killed.returncode != 0, killed.stdout[-2000:]
+    mine = _tier(local, ckpt)
+    held = [{int(p.name[5:]) for p in (mine / f"rank-0000{r}").glob("step-*") if (p / "COMMITTED").exists()}
+            for r in (0, 1)]
+    newest = max(held[0] & held[1])
+    for step in held[1] - held[0]:  # a save rank 0 did not commit before the kill: the restart cannot take it
+        shutil.rmtree(mine / "rank-00001" / f"step-{step:08d}")
+    own, leaders = mine / "rank-00001" / f"step-{newest:08d}", mine / "rank-00000" / f"step-{newest:08d}"
+    assert sorted(p.name for p in own.glob("*.pt")) == ["rank-00001.pt"], "rank 1 holds its own file only"
+
+    session = Session(Settings(checkpoint_dir=str(ckpt), experiment="run", local_dir=str(local), local_every=2,
+                               when=When(every_steps=SHARED_EVERY, final_step=STEPS)), RankInfo(1, 2, 1),
+                      agree=lambda v: v)
+    ahead = session.read_ahead("latest")
+    assert ahead.wait(timeout=60)
+    shared = sorted(p for p in leaders.glob("*.pt") if p.name != "rank-00000.pt")
+    assert shared and sorted(map(str, (p for p, _ in ahead.files))) == sorted(map(str, [own / "rank-00001.pt",
+                                                                                         *shared]))
+    assert len(session._verified_ahead) == 1 + len(shared), "every planned file verified and parsed"
+
+    out = run_torchrun(2, args, check=True)
+    step, where = _resumed(out.stdout + out.stderr)
+    assert (step, where) == (newest, "2 of 2 ranks from their local tier"), (step, where)
+    final = ckpt / "run" / f"step-{STEPS:08d}"
+    assert check_weights(final, reference / f"step-{STEPS:08d}", "--optimizer").returncode == 0
+    assert loss_rows(ckpt / "run" / "loss.csv") == loss_rows(reference / "loss.csv")
+
+
 def test_a_kill_during_a_local_write_falls_back_to_the_previous_local_step(tmp_path, corpus):
     """One process; SIGKILL in a local save with a file written but not yet fsynced: that save never committed, the
     restart takes the previous local step, and the run ends bitwise."""

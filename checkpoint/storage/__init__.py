@@ -79,13 +79,16 @@ class ReadAhead:
     thread too (listing folders and reading a manifest take time on shared storage as well); it returns what to read,
     ``(label, [(path, size), ...])``, or None. Each file goes through its medium's ``prefetch``: into the page cache
     on a filesystem, into memory that the load's ``read_checked`` takes on object storage. A hint only: the load
-    verifies every byte as always. ``stop()`` ends it after the chunk in progress (or leaves the daemon thread behind
-    if it does not end within ``timeout``: a hung network filesystem), and the load reads the rest itself;
-    ``release()``, after the load, drops what it fetched and the load did not take."""
+    verifies every byte as always. ``then(path)``, if given, runs on the thread after each file read whole (the
+    session verifies and parses it there: layout.VerifiedAhead). ``stop()`` ends it after the chunk (or the ``then``)
+    in progress, or leaves the daemon thread behind if it does not end within ``timeout`` (a hung network
+    filesystem), and the load reads the rest itself; ``release()``, after the load, drops what it fetched and the load
+    did not take."""
 
-    def __init__(self, plan: Callable[[], "tuple[str, list[tuple[object, int]]] | None"]):
+    def __init__(self, plan: Callable[[], "tuple[str, list[tuple[object, int]]] | None"],
+                 then: Callable[[object], None] | None = None):
         self.label, self.files, self.nbytes, self.bytes_read = "", [], 0, 0
-        self._plan = plan
+        self._plan, self._then = plan, then
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pyrecover-read-ahead", daemon=True)
         self._thread.start()
@@ -102,7 +105,10 @@ class ReadAhead:
         for path, size in self.files:
             if self._stop.is_set():
                 break
-            self.bytes_read += medium(path).prefetch(path, size, self._stop.is_set)
+            got = medium(path).prefetch(path, size, self._stop.is_set)
+            self.bytes_read += got
+            if got == size and self._then is not None and not self._stop.is_set():
+                self._then(path)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until it has read everything (or found nothing to read); False if ``timeout`` passed first."""
@@ -114,6 +120,10 @@ class ReadAhead:
         self._stop.set()
         self._thread.join(timeout)
         return self.bytes_read
+
+    @property
+    def ended(self) -> bool:
+        return not self._thread.is_alive()
 
     def release(self) -> None:
         if self._thread.is_alive():  # left behind by stop(): it may still add what it fetches
