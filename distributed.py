@@ -209,7 +209,9 @@ class PeakMemory:
     baseline, so the figure is an upper bound.
     """
 
-    def __init__(self, env: DistEnv) -> None:
+    def __init__(self, env: DistEnv, held: int = 0) -> None:
+        """``held``: bytes of host memory already allocated that are training's own (a restart's checkpoint state,
+        parsed ahead while the process set up): taken off the baseline, so the peak counts them as before."""
         self.device = env.device
         self.exact = True
         if self.device.type == "cuda":
@@ -222,7 +224,7 @@ class PeakMemory:
                 f.write("5")  # "5": reset the peak RSS (VmHWM) to the current RSS (Linux >= 4.0)
         except OSError:
             self.exact = False
-        self.baseline = _proc_kib("/proc/self/status", ("RssAnon",)).get("RssAnon", 0)
+        self.baseline = max(0, _proc_kib("/proc/self/status", ("RssAnon",)).get("RssAnon", 0) - held)
 
     def peak_growth(self) -> int:
         """Bytes: the peak since the baseline minus the baseline (0 if nothing grew)."""

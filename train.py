@@ -378,7 +378,8 @@ def build_run(args: argparse.Namespace, env: distributed.DistEnv, prepared: Prep
     if env.distributed and args.parallel == "fsdp":
         importlib.import_module("torch.distributed.checkpoint.state_dict")
 
-    memory = distributed.PeakMemory(env)  # baseline: after imports and data loading
+    # baseline: after imports and data loading, less the state a restart already parsed ahead (it is training's)
+    memory = distributed.PeakMemory(env, held=prepared.session.held_ahead())
     seed_everything(args.seed)  # identical init on every rank
     model = Transformer(prepared.config, attention="flash" if args.use_flash_attention else "sdpa")
     if prepared.init_weights is not None:  # after the seeded init, so the RNG streams are a fresh run's

@@ -437,6 +437,11 @@ class VerifiedAhead:
     def __init__(self) -> None:
         self._found: dict[tuple, Parsed] = {}
 
+    @property
+    def nbytes(self) -> int:
+        """The size of the files held parsed (about the memory they take)."""
+        return sum(key[1] for key in list(self._found))
+
     @staticmethod
     def _key(path, record: dict, algorithm: str) -> tuple:
         return str(path), int(record["size"]), algorithm, record[algorithm]

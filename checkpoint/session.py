@@ -250,6 +250,10 @@ class Session:
         except (OSError, CheckpointError):
             pass  # the load reads it again, and says what is wrong
 
+    def held_ahead(self) -> int:
+        """Bytes of checkpoint state the read-ahead holds parsed now, which the load will hand to training (about)."""
+        return self._verified_ahead.nbytes
+
     def _end_read_ahead(self, quiet: bool = False) -> storage.ReadAhead | None:
         ahead, self._read_ahead = self._read_ahead, None
         if ahead is not None:
