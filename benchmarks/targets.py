@@ -433,6 +433,12 @@ def bench_tier_resume(folder: Path, steps: int, repeats: int, base: list[str], e
 
 
 # --- report ---------------------------------------------------------------------------------------------------------
+def _restart_row(name: str, v: dict, ratio: str) -> str:
+    """A restart's row: state, recovery (spread), its floor, recovery ÷ floor, load MiB/s, load ÷ ``ratio``'s baseline."""
+    return (f"| {name} | {v['state_mib']:.0f} | {show(v['recovery_s'], '{:.2f}')} | {v['floor_s']:.2f} | "
+            f"{v['recovery_over_floor']:.2f} | {show(v['load_mib_s'], '{:.0f}')} | {v[ratio]:.2f} |")
+
+
 def report(res: dict, out_dir: Path, command: str) -> str:
     b, t, rs = res["bytes"], res["training"], res["resume"]
     ratios = b["ratios"]
@@ -470,18 +476,12 @@ def report(res: dict, out_dir: Path, command: str) -> str:
               "|---|---:|---:|---:|---:|---:|---:|"]
     for k in ("concurrent", NO_READ_AHEAD, THP, WARM, "dcp async (thread)"):
         if k in rs:
-            v = rs[k]
-            lines.append(f"| {k} | {v['state_mib']:.0f} | {show(v['recovery_s'], '{:.2f}')} | {v['floor_s']:.2f} | "
-                         f"{v['recovery_over_floor']:.2f} | {show(v['load_mib_s'], '{:.0f}')} | {v['load_over_o_direct_read']:.2f} |")
+            lines.append(_restart_row(k, rs[k], "load_over_o_direct_read"))
     if TIER in rs:
         lines += ["", f"From the node-local tier (`--local-checkpoint-dir` in /dev/shm, `latest`): the floor reads the "
                   f"state at memcpy speed ({b['memcpy']['mib_s']['median']:.0f} MiB/s), the last column is the load "
                   "÷ memcpy.", ""]
-        for k in (TIER, TIER_NO_READ_AHEAD):
-            v = rs[k]
-            lines.append(f"| {k} | {v['state_mib']:.0f} | {show(v['recovery_s'], '{:.2f}')} | {v['floor_s']:.2f} | "
-                         f"{v['recovery_over_floor']:.2f} | {show(v['load_mib_s'], '{:.0f}')} | "
-                         f"{v['load_over_memcpy']:.2f} |")
+        lines += [_restart_row(k, rs[k], "load_over_memcpy") for k in (TIER, TIER_NO_READ_AHEAD)]
     lines += ["", "A restart reads, verifies and parses its checkpoint ahead while it sets up (imports, the model), "
               "from the first line of its setup to the load (`Session.read_ahead`): the load then takes what was "
               "verified, and its MiB/s above is the part of the load left to wait for, not the disk's; the "
@@ -496,11 +496,7 @@ def report(res: dict, out_dir: Path, command: str) -> str:
                   f"({s3['get_mib_s']['median']:.0f} MiB/s), the last column is the load ÷ that.", "",
                   "| restart from S3 | state MiB | recovery s | floor s (import torch + GETs) | ratio | load MiB/s | "
                   "load ÷ GET |", "|---|---:|---:|---:|---:|---:|---:|"]
-        for k in (S3_READ_AHEAD, S3_NO_READ_AHEAD):
-            v = s3[k]
-            lines.append(f"| {k} | {v['state_mib']:.0f} | {show(v['recovery_s'], '{:.2f}')} | {v['floor_s']:.2f} | "
-                         f"{v['recovery_over_floor']:.2f} | {show(v['load_mib_s'], '{:.0f}')} | "
-                         f"{v['load_over_get']:.2f} |")
+        lines += [_restart_row(k, s3[k], "load_over_get") for k in (S3_READ_AHEAD, S3_NO_READ_AHEAD)]
     slow = rs.get("slow store", {})
     if "skipped" in slow:
         lines += ["", f"A slow checkpoint store: not measured: {slow['skipped']}."]
@@ -510,10 +506,7 @@ def report(res: dict, out_dir: Path, command: str) -> str:
                   f"the floor reads the state at {SLOW_MIB_S} MiB/s, the last column is the load ÷ {SLOW_MIB_S} MiB/s.",
                   "", "| checkpoint store | state MiB | recovery s | floor s (import torch + read) | ratio | load MiB/s | "
                   f"load ÷ {SLOW_MIB_S} MiB/s |", "|---|---:|---:|---:|---:|---:|---:|"]
-        for k, v in slow.items():
-            lines.append(f"| {k} | {v['state_mib']:.0f} | {show(v['recovery_s'], '{:.2f}')} | {v['floor_s']:.2f} | "
-                         f"{v['recovery_over_floor']:.2f} | {show(v['load_mib_s'], '{:.0f}')} | "
-                         f"{v['load_over_store']:.2f} |")
+        lines += [_restart_row(k, v, "load_over_store") for k, v in slow.items()]
     target_rows = [
         ("CPU per GiB persisted (concurrent) ÷ memcpy", ratios["concurrent_cpu_per_gib_over_memcpy"], "≤ 3", ratios["concurrent_cpu_per_gib_over_memcpy"] <= 3),
         ("persist bandwidth ÷ O_DIRECT write + fsync", ratios["persist_bw_over_o_direct"], "≥ 0.85", ratios["persist_bw_over_o_direct"] >= 0.85),
