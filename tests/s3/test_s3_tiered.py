@@ -57,9 +57,9 @@ def test_a_drain_to_s3_killed_midway_commits_nothing_partial_and_resumes_bitwise
 
 
 def test_a_replaced_node_reads_its_step_from_s3_while_it_sets_up_and_resumes_bitwise(corpus, s3_server, tmp_path):
-    """Killed after step 4 reached S3, its local tier then wiped (a new node): the restart reads step 4 from S3 on a
-    background thread during its setup (into memory the load's verify takes), loads it from the shared tier, and
-    ends bitwise equal to an uninterrupted run."""
+    """Killed after step 4 reached S3, its local tier then wiped (a new node): the restart downloads, verifies and
+    parses step 4 from S3 on a background thread during its setup, loads it from the shared tier, and ends bitwise
+    equal to an uninterrupted run."""
     env = s3_server.full_env(env_for_tests())
     base = TINY + ["--dataset", corpus, "--training-steps", "8", "--log-loss-to-csv", "--checkpoint-backend",
                    "concurrent", "--checkpoint-frequency", "4"]
@@ -79,8 +79,10 @@ def test_a_replaced_node_reads_its_step_from_s3_while_it_sets_up_and_resumes_bit
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout + out.stderr
     step4 = f"{uri}/default/step-00000004"
-    ahead = re.search(rf"^read ahead ([\d.]+) of ([\d.]+) MiB of {re.escape(step4)} while setting up$", text, re.M)
+    ahead = re.search(rf"^read ahead ([\d.]+) of ([\d.]+) MiB of {re.escape(step4)} while setting up"
+                      r"(?:, (\d+) files verified and parsed)?$", text, re.M)
     assert ahead and 0 < float(ahead.group(2)), text[-3000:]
+    assert ahead.group(3) and int(ahead.group(3)) >= 2, ahead.group(0)  # downloaded, verified and parsed ahead
     assert f"resumed from {step4} (step 4, concurrent backend; 0 of 1 ranks from their local tier" in text, text[-3000:]
     assert loss_rows(csv) == loss_rows(ref / "default" / "loss.csv")
     cmp = subprocess.run([PY, str(ROOT / "tests" / "check_weights_equality.py"), f"{uri}/default/step-00000008",
