@@ -185,9 +185,10 @@ class Session:
                 storage.medium(where).connect()  # a client and its imports on this thread, not the reader's
             records: dict[str, tuple[dict, str]] = {}  # what each planned file must verify against
             self._verified_ahead = verified = layout.VerifiedAhead()  # this read-ahead's alone
+            parse = self.backend.parse_file  # none for DCP: its load plans its own reads
             self._read_ahead = storage.ReadAhead(
                 lambda: self._read_ahead_plan(spec, records),
-                then=lambda path: self._verify_ahead(verified, path, *records[str(path)]))
+                then=(lambda path: self._verify_ahead(verified, path, *records[str(path)], parse)) if parse else None)
         except CheckpointError:
             return None  # e.g. no S3 client library: the load says so, in its words
         except RuntimeError as e:  # no thread to be had (a process limit): the load reads it all, as before
@@ -199,11 +200,12 @@ class Session:
         against; on its own thread (listing and a manifest take time on shared storage too). It imports nothing: an
         import on a second thread can meet the main thread's imports in the interpreter's import locks."""
         step_dirs = self._step_dirs(spec)
-        newest = layout.read_manifest(step_dirs[0])["step"] if step_dirs and self._readable(step_dirs[0]) else None
+        shared = layout.read_manifest(step_dirs[0]) if step_dirs and self._readable(step_dirs[0]) else None
         if spec == "latest" and self.settings.local_dir:  # the load takes a local copy of that step or a newer one
             mine = tier_root(self.settings.local_dir, self.settings.experiment, str(self.root)) / rank_dir_name(
                 self.rank.rank)
-            local = [i for i in layout.list_checkpoints(mine) if i.committed and i.step >= (newest or 0)]
+            newest = shared["step"] if shared is not None else 0
+            local = [i for i in layout.list_checkpoints(mine) if i.committed and i.step >= newest]
             if local:  # this rank's part, and the shared pieces from its node leader's part (the rank's own, on it)
                 step_dir = local[-1].path
                 manifest = layout.read_manifest(step_dir)
@@ -213,10 +215,9 @@ class Session:
                     planned[1].extend(self._plan_leader(mine.parent / rank_dir_name(leader) / step_dir.name, leader,
                                                         records))
                 return planned
-        if newest is None:
+        if shared is None:
             return None
-        manifest = layout.read_manifest(step_dirs[0])
-        return self._plan_files(step_dirs[0], manifest, self.backend.files_read(manifest, self.rank.rank), records)
+        return self._plan_files(step_dirs[0], shared, self.backend.files_read(shared, self.rank.rank), records)
 
     def _plan_leader(self, leader_dir: Path, leader: int, records: dict) -> list[tuple[Path, int]]:
         """The shared pieces in the node leader's part of a local step, if it holds that step."""
@@ -241,12 +242,11 @@ class Session:
         records.update({str(path): (record, manifest["checksum"]) for path, record in files})
         return str(step_dir), [(path, int(record["size"])) for path, record in files]
 
-    def _verify_ahead(self, verified: layout.VerifiedAhead, path, record: dict, algorithm: str) -> None:
+    @staticmethod
+    def _verify_ahead(verified: layout.VerifiedAhead, path, record: dict, algorithm: str, parse: Callable) -> None:
         """A file the read-ahead read whole, verified and parsed now, on its thread (layout.VerifiedAhead)."""
-        if self.backend.parse_file is None:  # DCP: its load plans its own reads
-            return
         try:
-            verified.check(path, record, algorithm, self.backend.parse_file)
+            verified.check(path, record, algorithm, parse)
         except (OSError, CheckpointError):
             pass  # the load reads it again, and says what is wrong
 
