@@ -164,6 +164,11 @@ def node_name(rank: int, environ: Mapping[str, str] | None = None) -> str:
     return f"{host}/node-{rank // int(per_node)}" if per_node else host
 
 
+#: the knobs read once, when their module is imported: a warm standby's child would keep the standby's values, so the
+#: standby declines a rank whose values differ (warm.py)
+IMPORT_TIME = ("PYRECOVER_FAULT", "PYRECOVER_LEASE_HEARTBEAT_S", "PYRECOVER_LEASE_TIMEOUT_S")
+
+
 def force_progress(environ: Mapping[str, str] | None = None) -> bool:
     """PYRECOVER_PROGRESS=1: train.py prints plain progress lines even when stderr is not a terminal."""
     return _env(environ).get("PYRECOVER_PROGRESS") == "1"
