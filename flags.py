@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import functools
 import math
 import os
 import re
+import reprlib
 import sys
 from pathlib import Path
 
@@ -38,7 +40,7 @@ def _signal_flag(text: str) -> str:
 
 
 def _model_flag(text: str) -> str:
-    if text in PRESETS or Path(text).is_file():
+    if text in PRESETS or os.path.isfile(text):  # False, not OSError, for a name too long to be a path
         return text
     raise argparse.ArgumentTypeError(_model_problem(text))
 
@@ -308,10 +310,10 @@ def check_flags(args: argparse.Namespace, *, writes_csv: bool = True) -> None:
         raise BadInput("--parallel fsdp shards the model over the ranks of a --distributed run, and this is one "
                        "process; add --distributed (under torchrun or srun), or drop --parallel fsdp")
     check_paths(args, writes_csv=writes_csv)
-    if args.init_from is not None and not Path(args.init_from).is_dir():
+    if args.init_from is not None and not os.path.isdir(args.init_from):
         raise BadInput(f"--init-from {args.init_from} is not a folder; give a Hugging Face Llama model folder")
     default_model(args)
-    if args.model not in PRESETS and not Path(args.model).is_file():
+    if args.model not in PRESETS and not os.path.isfile(args.model):
         raise BadInput(f"--model: {_model_problem(args.model)}")
 
 
@@ -465,9 +467,57 @@ def apply_resume_flags(args: argparse.Namespace, run_info: RunInfo, step: int | 
 CONFIG_SUFFIXES = (".toml", ".yaml", ".yml", ".json")
 RESOLVED_CONFIG = "config.resolved.json"  # in the run folder: every flag's final value (a valid --config file)
 
+# What a flag's value in a --config file may be: one scalar, or for a flag that takes several values a flat list of
+# them. Anything else is refused by its type alone, before any of it is formatted into a message.
+_SCALARS = (str, int, float, datetime.date, datetime.time)  # bool is an int; TOML and YAML give dates and times
+_QUOTE = reprlib.Repr()  # an error line quotes at most this much of a bad key or value from a file
+_QUOTE.maxstring = _QUOTE.maxother = _QUOTE.maxlong = 60
+_QUOTE.maxlist = _QUOTE.maxdict = _QUOTE.maxset = _QUOTE.maxtuple = 4
+_QUOTE.maxlevel = 2
 
-def _read_config_file(path: str) -> dict:
-    """The file's top-level table; anything unreadable is a BadInput line naming the file."""
+
+def _quote(value) -> str:
+    return _QUOTE.repr(value)
+
+
+class _Pairs(dict):
+    """A mapping read from a file that also keeps its (key, value) pairs as written: json.loads and a YAML loader
+    alone keep the last value of a repeated key, silently."""
+
+    def __init__(self, pairs: list):
+        super().__init__(pairs)
+        self.pairs = pairs
+
+
+def _yaml_top(text: str, path: str):
+    """A YAML file's top-level mapping (_Pairs: a repeated key kept twice), or the document itself when it is not a
+    mapping (None when empty). An alias (``*name``) is refused while the file is composed, before anything is built
+    from it: a few nested aliases expand a file of a few hundred bytes into gigabytes."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise BadInput(f"--config {path}, line {event.start_mark.line + 1}: YAML aliases "
+                               f"(*{event.anchor[:40]}) are not accepted (a few can expand a small file into "
+                               "gigabytes); write the value out")
+            return super().compose_node(parent, index)
+
+    loader = Loader(text)
+    try:
+        node = loader.get_single_node()
+        if not isinstance(node, yaml.MappingNode):
+            return None if node is None else loader.construct_document(node)
+        return _Pairs([(loader.construct_object(k, deep=True), loader.construct_object(v, deep=True))
+                       for k, v in node.value])
+    finally:
+        loader.dispose()
+
+
+def _read_config_file(path: str) -> list[tuple]:
+    """The file's top-level (key, value) pairs in file order, a repeated key as often as it is written; anything
+    unreadable is a BadInput line naming the file."""
     suffix = Path(path).suffix.lower()
     if suffix not in CONFIG_SUFFIXES:
         raise BadInput(f"--config {path}: unknown file type {suffix or '(none)'}; give a .toml, .yaml/.yml or .json "
@@ -477,55 +527,71 @@ def _read_config_file(path: str) -> dict:
     except OSError as e:
         raise BadInput(f"--config {path}: cannot read it ({e.strerror or e}); check the path") from None
     try:
-        if suffix == ".toml":
+        if suffix == ".toml":  # TOML itself refuses a repeated key
             import tomllib
 
             data = tomllib.loads(raw.decode("utf-8"))
         elif suffix == ".json":
             import json
 
-            data = json.loads(raw.decode("utf-8"))
+            data = json.loads(raw.decode("utf-8"), object_pairs_hook=_Pairs)
         else:
             try:
-                import yaml
+                import yaml  # noqa: F401
             except ImportError:  # a dependency of the project; only a hand-made environment lacks it
                 raise BadInput(f"--config {path}: reading YAML needs PyYAML; run: pip install pyyaml (or use a "
                                ".toml file)") from None
-            data = yaml.safe_load(raw.decode("utf-8"))
+            data = _yaml_top(raw.decode("utf-8"), path)
     except BadInput:
         raise
     except Exception as e:  # the parsers' errors name the line; keep only their first line
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise BadInput(f"--config {path} is not valid {suffix[1:].upper()}: {first}") from None
+        raise BadInput(f"--config {path} is not valid {suffix[1:].upper()}: {first[:300]}") from None
     if data is None:  # an empty YAML file
-        return {}
+        return []
+    if isinstance(data, _Pairs):
+        return data.pairs
     if not isinstance(data, dict):
         raise BadInput(f"--config {path}: expected keys with values (flag = value), got a {type(data).__name__}")
-    return data
+    return list(data.items())
+
+
+def _kind(value) -> str:
+    return ("table" if isinstance(value, dict) else "list" if isinstance(value, list) else
+            "null" if value is None else type(value).__name__)
+
+
+def _shape_problem(action: argparse.Action, value) -> str | None:
+    """Why ``value`` cannot be ``action``'s value, judged by its type alone: one scalar, or a flat list of scalars
+    for a flag that takes several values (nargs N, + or *; an append flag)."""
+    if isinstance(value, _SCALARS):
+        return None
+    if isinstance(value, list):
+        if action.nargs in (None, "?", 0) and not isinstance(action, argparse._AppendAction):
+            return f"expected one value, got a list of {len(value)}"
+        bad = next((v for v in value if not isinstance(v, _SCALARS)), _SCALARS)
+        return None if bad is _SCALARS else f"expected a list of values, got a {_kind(bad)} in the list"
+    return f"expected a value, got a {_kind(value)}"
 
 
 def _config_tokens(action: argparse.Action, option: str, value) -> list[str]:
-    """The command-line words that give ``value`` to ``action`` (named ``option``), so argparse itself converts and
-    checks it exactly as on the command line (types, choices, custom flag parsers). A switch takes true/false; [] means
-    'as if not given'."""
+    """The command-line words that give ``value`` (a scalar or a list of scalars: _shape_problem) to ``action``
+    (named ``option``), so argparse itself converts and checks it exactly as on the command line (types, choices,
+    custom flag parsers). A switch takes true/false; [] means 'as if not given'."""
     if action.nargs == 0:  # store_true/false, BooleanOptionalAction, store_const
         if not isinstance(value, bool):
-            raise _ConfigValueError(f"expected true or false, got {value!r}")
+            raise _ConfigValueError(f"expected true or false, got {_quote(value)}")
         if isinstance(action, argparse.BooleanOptionalAction):  # false is explicit: --no-requeue (or --requeue)
             other = option.replace("--no-", "--", 1) if option.startswith("--no-") else "--no-" + option[2:]
             return [option if value else other]
         return [option] if value else []
     if isinstance(value, bool) and action.nargs != "?":
         raise _ConfigValueError(f"expected a value, not {str(value).lower()}")
-    if isinstance(value, dict):
-        raise _ConfigValueError("expected a value, got a table")
     if action.nargs == "?" and isinstance(value, bool):  # --log-loss-to-csv = true: the flag alone
         return [option] if value else []
     if isinstance(value, list):
-        if action.nargs in (None, "?"):
-            if isinstance(action, argparse._AppendAction):
-                return [f"{option}={v}" for v in value]
-            raise _ConfigValueError(f"expected one value, got a list {value!r}")
+        if action.nargs in (None, "?"):  # an append flag
+            return [f"{option}={v}" for v in value]
         return [option, *map(str, value)]
     # '--flag=value': a value may start with '-'
     return [f"{option}={value}"] if action.nargs in (None, "?") else [option, str(value)]
@@ -534,30 +600,38 @@ def _config_tokens(action: argparse.Action, option: str, value) -> list[str]:
 def load_config(parser: argparse.ArgumentParser, path: str) -> dict:
     """dest -> value of every flag ``path`` sets. Keys are flag names in either spelling, with or without the leading
     dashes (``learning_rate``, ``learning-rate``, ``--learning-rate``); each value goes through argparse as on the
-    command line. Unknown keys and bad values: BadInput naming the file and the key. Generic over the parser's
-    actions, so a flag added to build_parser is settable from a file with no change here."""
+    command line. Unknown keys, a flag set twice and bad values: BadInput naming the file and the key. Generic over
+    the parser's actions, so a flag added to build_parser is settable from a file with no change here."""
     values: dict = {}
+    given: dict[str, object] = {}  # dest -> the key that set it
     parser.raise_errors = True
     try:
-        for key, value in _read_config_file(path).items():
+        for key, value in _read_config_file(path):
             option = "--" + str(key).lstrip("-")
             action = parser._option_string_actions.get(option)  # exact names only: no prefix matching in a file
             if action is None or action.dest in (argparse.SUPPRESS, "config", "help"):
                 why = "cannot name another config file" if action is not None and action.dest == "config" else \
                     "is not a flag of train.py (see --help)"
-                raise BadInput(f"--config {path}: key {key!r} {why}")
-            if action.dest in values:
-                raise BadInput(f"--config {path}: key {key!r} sets --{action.dest.replace('_', '-')} a second time; "
-                               "keep one")
+                raise BadInput(f"--config {path}: key {_quote(key)} {why}")
+            if action.dest in given:  # the last would silently win
+                again = "is repeated" if given[action.dest] == key else \
+                    f"sets --{action.dest.replace('_', '-')} a second time (after {_quote(given[action.dest])})"
+                raise BadInput(f"--config {path}: key {_quote(key)} {again}; keep one")
+            given[action.dest] = key
             if value is None:  # YAML null / JSON null: the flag's default, as if the key were absent
                 continue
             try:
+                if problem := _shape_problem(action, value):
+                    raise _ConfigValueError(problem)
                 words = _config_tokens(action, option, value)
                 if words:
                     values[action.dest] = getattr(parser.parse_args(words, argparse.Namespace()), action.dest)
             except _ConfigValueError as e:
                 message = re.sub(r"^argument [^:]*: ", "", str(e))
-                raise BadInput(f"--config {path}: key {key!r}: {message}") from None
+                for text in map(str, value if isinstance(value, list) else [value]):  # argparse quotes it whole
+                    if len(text) > _QUOTE.maxstring:
+                        message = message.replace(repr(text), _quote(text))
+                raise BadInput(f"--config {path}: key {_quote(key)}: {message}") from None
     finally:
         parser.raise_errors = False
     # The file's numbers on their own (with the defaults for the rest) pass the same checks as the command line's, so

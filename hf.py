@@ -260,6 +260,15 @@ def read_hf(folder) -> tuple[dict, dict[str, torch.Tensor]]:
         if tuple(t.shape) != expected[ours]:
             raise CheckpointError(f"{folder}: tensor {hf_name!r} has shape {list(t.shape)}, config.json says "
                                   f"{list(expected[ours])}")
+        # Weights to train from are finite floating-point numbers: an integer (or bool) tensor would be cast to float
+        # silently, and a NaN or Inf spreads through the first step into every later checkpoint.
+        if not t.is_floating_point():
+            raise CheckpointError(f"{folder}: tensor {hf_name!r} is {str(t.dtype).removeprefix('torch.')}, not "
+                                  "floating point; give weights saved as float32, bfloat16 or float16")
+        if not bool(torch.isfinite(t).all()):
+            what = "NaN" if bool(torch.isnan(t).any()) else "infinite"
+            raise CheckpointError(f"{folder}: tensor {hf_name!r} holds {what} values (a diverged or corrupted "
+                                  "model); give finite weights")
         tensors[ours] = t
     extra = sorted(n for n in theirs if not n.endswith("rotary_emb.inv_freq"))  # old transformers saved RoPE buffers
     if extra:

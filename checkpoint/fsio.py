@@ -292,6 +292,20 @@ def verified_identity(data) -> tuple[int, int] | None:
     return owner.identity if isinstance(owner, VerifiedMap) else None
 
 
+_FILE_TYPES = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISLNK, "a symbolic link"))
+
+
+def not_regular(mode: int) -> str | None:
+    """What a file of ``st_mode`` is ("a FIFO", "a directory", ...) when it is not a regular file, else None: the
+    words every "is not a regular file" refusal uses, so a special file where a checkpoint file should be is named
+    as what it is, never as missing."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((what for is_type, what in _FILE_TYPES if is_type(mode)), f"a special file (mode {mode:o})")
+
+
 def open_regular(path: Path) -> tuple[int, os.stat_result]:
     """A read-only descriptor of the regular file at ``path``, and its stat. A symbolic link (one swapped in after
     layout.member's check) or anything but a regular file is refused (CheckpointError); a FIFO or device is opened
@@ -309,8 +323,8 @@ def open_regular(path: Path) -> tuple[int, os.stat_result]:
         raise
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{path} is not a regular file; the checkpoint was tampered with")
+        if kind := not_regular(st.st_mode):
+            raise CheckpointError(f"{path} is {kind}, not a regular file; the checkpoint was tampered with")
     except BaseException:
         os.close(fd)
         raise

@@ -29,7 +29,8 @@ from typing import Callable, Iterator
 from . import storage
 from .backends import BACKENDS  # the registry alone: the backend modules, which build on this one, load lazily
 from .errors import CheckpointError
-from .fsio import CHECKSUM_ALGORITHM, HASHERS, atomic_write_bytes, checksum_bytes, fsync_dir, make_dirs  # noqa: F401
+from .fsio import (CHECKSUM_ALGORITHM, HASHERS, atomic_write_bytes, checksum_bytes, fsync_dir, make_dirs,  # noqa: F401
+                   not_regular)
 from .knobs import fault_point
 
 _log = logging.getLogger(__name__)
@@ -402,10 +403,14 @@ def verify(step_dir: Path, *, checksums: bool = True, keep: dict | None = None) 
     listed = []
     for name, rec in manifest["files"].items():
         path = member(step_dir, name, manifest)
-        if not path.is_file():
-            raise CheckpointError(f"{path} is listed in the manifest but missing")
-        if path.stat().st_size != rec["size"]:
-            raise CheckpointError(f"{path} has {path.stat().st_size} bytes, manifest says {rec['size']}: truncated")
+        try:
+            st = path.stat()  # a stat never opens the file: nothing here waits on a FIFO
+        except (FileNotFoundError, NotADirectoryError):
+            raise CheckpointError(f"{path} is listed in the manifest but missing") from None
+        if kind := not_regular(st.st_mode):
+            raise CheckpointError(f"{path} is {kind}, not a regular file; the checkpoint was tampered with")
+        if st.st_size != rec["size"]:
+            raise CheckpointError(f"{path} has {st.st_size} bytes, manifest says {rec['size']}: truncated")
         listed.append((path, rec))
     if checksums:
         from .backends import backend_class  # the backends build on this module: imported when first verifying

@@ -39,6 +39,9 @@ BAD = {
                                   "--use-torch-distributed-ckpt means --checkpoint-backend dcp, but "
                                   "--checkpoint-backend concurrent was given"),
     "fsdp without distributed": (["--parallel", "fsdp"], "--parallel fsdp shards the model over the ranks"),
+    # a name too long to be a path is not a file or folder, not an OSError
+    "model name too long": (["--model", "m" * 300], "invalid choice: 'mmmm"),
+    "init-from name too long": (["--init-from", "i" * 300], "is not a folder"),
     # each checkpoint in flight is a copy of the state in RAM: the hint names the flag that fixes it
     "max-async too many": (["--checkpoint-backend", "concurrent", "--max-async", "1000000"], "(--max-async {n} fits)"),
 }

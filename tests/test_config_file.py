@@ -132,6 +132,14 @@ def test_config_file_round_trip(tmp_path, corpus, kind):
     ("seed = \n", ".toml", ["not valid TOML"]),
     ("- seed\n", ".yaml", ["expected keys with values"]),
     ("seed: 1\n", ".ini", ["unknown file type .ini"]),
+    # a key written twice is refused in every format (JSON and YAML parsers alone keep the last, silently)
+    ("seed = 1\nseed = 2\n", ".toml", ["not valid TOML"]),
+    ("seed: 1\nlearning_rate: 0.1\nseed: 2\n", ".yaml", ["key 'seed' is repeated", "keep one"]),
+    ('{"seed": 1, "learning_rate": 0.1, "seed": null}', ".json", ["key 'seed' is repeated", "keep one"]),
+    # a value is a scalar, or a flat list of scalars for a flag that takes several
+    ('{"seed": {"a": 1}}', ".json", ["'seed'", "expected a value, got a table"]),
+    ("seed: [[1, 2]]\n", ".yaml", ["'seed'", "expected one value, got a list of 1"]),
+    ("seed: !!set {1, 2}\n", ".yaml", ["'seed'", "expected a value, got a set"]),
 ])
 def test_bad_config_is_one_line_naming_file_and_key(tmp_path, content, suffix, wanted):
     cfg = tmp_path / f"bad{suffix}"
@@ -140,6 +148,33 @@ def test_bad_config_is_one_line_naming_file_and_key(tmp_path, content, suffix, w
     assert str(cfg) in line
     for part in wanted:
         assert part in line, line
+
+
+# Billion laughs: each level lists the one before nine times, by alias; nine levels are 9**9 strings, gigabytes once
+# expanded or formatted, from a file of a few hundred bytes.
+ALIAS_BOMB = "checkpoint_note:\n  - &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"  - &{level} [{', '.join([f'*{before}'] * 9)}]\n" for before, level in zip("abcdefgh", "bcdefghi"))
+
+
+@pytest.mark.parametrize("content, line_no", [
+    (ALIAS_BOMB, 3),
+    ("checkpoint_note: &note shared\nexperiment_name: *note\n", 2),  # refused even when harmless: no alias is read
+])
+def test_yaml_aliases_are_refused_before_anything_is_expanded(tmp_path, content, line_no):
+    cfg = tmp_path / "aliases.yaml"
+    cfg.write_text(content)
+    proc = run_train(["--config", str(cfg)], timeout=60)  # expanded, the bomb took 40 s and 3 GB to a MemoryError
+    line = _one_error_line(proc)
+    assert line.startswith(f"error: --config {cfg}, line {line_no}: YAML aliases (*") and "write the value out" in line
+    assert len(proc.stderr) < 400, proc.stderr
+
+
+def test_a_long_bad_value_is_quoted_short(tmp_path):
+    cfg = tmp_path / "long.json"
+    cfg.write_text(json.dumps({"learning_rate": "9" * 50 + "x" * 100_000}))
+    line = _one_error_line(run_train(["--config", str(cfg)], timeout=120))
+    assert "'learning_rate': invalid float value: '99999" in line and "...xxx" in line, line[:400]
+    assert len(line) < len(str(cfg)) + 200, line[:400]
 
 
 def test_missing_config_file(tmp_path):
@@ -167,6 +202,9 @@ def test_precedence_and_generic_over_flags_added_later(tmp_path):
     assert flags.load_config(parser, str(cfg)) == {"future_pair": [0.8, 0.99], "future_choice": "csv"}
     cfg.write_text("future_pair = 0.8\n")
     with pytest.raises(flags.BadInput, match="future_pair"):
+        flags.load_config(parser, str(cfg))
+    cfg.write_text("future_pair = [[0.8], 0.99]\n")  # a list flag takes a flat list
+    with pytest.raises(flags.BadInput, match="future_pair': expected a list of values, got a list in the list"):
         flags.load_config(parser, str(cfg))
 
 

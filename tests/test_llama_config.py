@@ -5,7 +5,8 @@
   LlamaForCausalLM loads the export with our logits;
 * `--init-from DIR` starts from an export of ours, or from a model transformers made, with exactly its weights;
 * `--gradient-accumulation-steps 4 --batch-size 2` killed mid-run and resumed equals the uninterrupted run bitwise;
-* bad input (an unsupported config, mismatched weights, a changed optimizer flag on resume): one line, exit 2.
+* bad input (an unsupported config, mismatched, integer or NaN weights, a changed optimizer flag on resume): one
+  line, exit 2.
 
 Runs are shared between assertions and started two at a time (2 cores, one thread each) to stay near a minute.
 
@@ -220,6 +221,16 @@ def test_bad_model_configs_mismatched_weights_and_changed_optimizer_flags_are_on
     shutil.copytree(trained["untied"]["hf"], mismatched)
     (mismatched / "config.json").write_text(json.dumps(llama_config(tie_word_embeddings=False,
                                                                      intermediate_size=128)))
+    # exports whose weights are not finite floats: one tensor of integers; every weight NaN (a diverged model)
+    from safetensors.torch import load_file, save_file
+
+    spoiled = {"int-weights": lambda ts: ts | {"model.layers.1.mlp.up_proj.weight":
+                                                  ts["model.layers.1.mlp.up_proj.weight"].to(torch.int32)},
+               "nan-weights": lambda ts: {k: torch.full_like(t, float("nan")) for k, t in ts.items()}}
+    for name, spoil in spoiled.items():
+        shutil.copytree(trained["untied"]["hf"], tmp_path / name)
+        weights = tmp_path / name / "model.safetensors"
+        save_file(spoil(load_file(weights)), weights, metadata={"format": "pt"})
     runs = [*(start_train(base(corpus, tmp_path / "ck", "--model", str(tmp_path / f"{n}.json"))) for n in cases),
             start_train(base(corpus, tmp_path / "ck", "--init-from", str(mismatched))),
             start_train(base(corpus, tmp_path / "ck", "--model", "tiny", "--init-from",
@@ -228,7 +239,8 @@ def test_bad_model_configs_mismatched_weights_and_changed_optimizer_flags_are_on
             *(start_train(base(corpus, trained[name]["ckdir"], "--model", str(trained[name]["config"]),
                                "--training-steps", str(STEPS + 2), "--resume-from-checkpoint", "latest", *change))
               for name, change in (("tied", ["--gradient-accumulation-steps", "2"]),
-                                   ("untied", ["--adam-betas", "0.9,0.99", "--min-lr-ratio", "0"])))]
+                                   ("untied", ["--adam-betas", "0.9,0.99", "--min-lr-ratio", "0"]))),
+            *(start_train(base(corpus, tmp_path / "ck", "--init-from", str(tmp_path / name))) for name in spoiled)]
     results = finish(*runs)
     refused(results[0], "rope_scaling", "not supported")
     refused(results[1], "model_type 'mistral' is not supported")
@@ -237,6 +249,10 @@ def test_bad_model_configs_mismatched_weights_and_changed_optimizer_flags_are_on
     refused(results[4], "--init-from", "differs from --model tiny", "ffn_dim 176 (--model: 192)")
     refused(results[5], "--gradient-accumulation-steps 2", "checkpoint's 1", "cannot change on resume")
     refused(results[6], "--adam-betas 0.9,0.99", "checkpoint's 0.9,0.95", "cannot change on resume")
+    refused(results[7], f"--init-from {tmp_path / 'int-weights'}",
+            "tensor 'model.layers.1.mlp.up_proj.weight' is int32, not floating point")
+    refused(results[8], f"--init-from {tmp_path / 'nan-weights'}",
+            "tensor 'model.embed_tokens.weight' holds NaN values")
     for name in trained:
         assert sorted(p.name for p in (trained[name]["ckdir"] / "default").glob("step-*")) == [f"step-{STEPS:08d}"]
     assert not (tmp_path / "ck" / "default").exists() or not list((tmp_path / "ck" / "default").glob("step-*"))

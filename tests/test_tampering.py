@@ -157,13 +157,16 @@ def test_symlinked_shard_is_refused_even_with_identical_bytes(backend, runs, cor
 
 def test_special_file_a_payload_replaced_by_a_fifo_is_skipped_without_waiting_on_it(runs, corpus, tmp_path):
     """A FIFO where a payload file was (the manifest untouched): opening it for reading would wait for a writer that
-    never comes. Neither the restart's read-ahead nor its verify waits on it: `latest` skips the step."""
+    never comes. Neither the restart's read-ahead nor its verify waits on it (the run's timeout): `latest` skips the
+    step, and the warning says what the file is -- a FIFO, not a missing file."""
     ck, exp = _copy(runs, "vanilla", tmp_path)
     shard = _step(exp, 20) / "model.pt"
     shard.unlink()
     os.mkfifo(shard)
     text = _resumes_from(corpus, ck, "vanilla", 15)
-    assert any("skipping" in line and "step-00000020" in line for line in text.splitlines()), text[-4000:]
+    skipped = [line for line in text.splitlines() if "skipping" in line and "step-00000020" in line]
+    assert len(skipped) == 1, text[-4000:]
+    assert f"{shard} is a FIFO, not a regular file" in skipped[0] and "missing" not in skipped[0], skipped
 
 
 # --- symlinked_step_folder ---------------------------------------------------------------------------------------

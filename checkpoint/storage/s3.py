@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -78,6 +79,7 @@ def s3_error(exc: BaseException, uri: str) -> OSError:
 @dataclass(frozen=True)
 class _Stat:
     st_size: int
+    st_mode: int = stat.S_IFREG  # an object is always a plain file
 
 
 class S3Path:
