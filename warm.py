@@ -140,7 +140,7 @@ def parse_request(message: bytes) -> dict:
                        "version?")
     bad = [name for name, ok in _FIELDS.items() if not ok(request[name])]
     if bad:
-        raise Declined(f"its request's {', '.join(bad)} have the wrong type")
+        raise Declined(f"its request's {', '.join(bad)} {'has' if len(bad) == 1 else 'have'} the wrong type")
     return request
 
 
