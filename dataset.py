@@ -360,7 +360,8 @@ def _load_tokens(path: Path, pf, tokenizer: Tokenizer, verbose: bool, cache_dir,
     tried = " or ".join(f"{folder} ({why})" for folder, why in refused)
     if not allow_memory:
         tried_dirs = {folder for folder, _ in refused}
-        suggest = next((d for d in (user_cache_folder(), Path(tempfile.gettempdir()) / "pyrecover-tokens")
+        # not a shared name in /tmp: another user of the node could make it first and plant caches there
+        suggest = next((d for d in (user_cache_folder(), Path(tempfile.gettempdir()) / f"pyrecover-tokens-{os.getuid()}")
                         if d not in tried_dirs), None)
         raise DataError(f"cannot write the token cache of {path} in {tried}; pass a writable folder as "
                         f"--data-cache-dir DIR{f' (e.g. --data-cache-dir {suggest})' if suggest else ''}")
