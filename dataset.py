@@ -361,8 +361,8 @@ def _load_tokens(path: Path, pf, tokenizer: Tokenizer, verbose: bool, cache_dir,
     if not allow_memory:
         tried_dirs = {folder for folder, _ in refused}
         # not a shared name in /tmp: another user of the node could make it first and plant caches there
-        suggest = next((d for d in (user_cache_folder(), Path(tempfile.gettempdir()) / f"pyrecover-tokens-{os.getuid()}")
-                        if d not in tried_dirs), None)
+        per_user = Path(tempfile.gettempdir()) / f"pyrecover-tokens-{os.getuid()}"
+        suggest = next((d for d in (user_cache_folder(), per_user) if d not in tried_dirs), None)
         raise DataError(f"cannot write the token cache of {path} in {tried}; pass a writable folder as "
                         f"--data-cache-dir DIR{f' (e.g. --data-cache-dir {suggest})' if suggest else ''}")
     if verbose:

@@ -103,8 +103,8 @@ _FIELDS = {  # the request's typed fields: anything else is declined before any 
     "xoptions": lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
     "age": lambda v: type(v) in (int, float) and v >= 0,
     "umask": lambda v: _is_int(v) and 0 <= v <= 0o777,
-    "rlimits": lambda v: isinstance(v, dict) and all(
-        isinstance(k, str) and isinstance(x, list) and len(x) == 2 and all(_is_int(n) for n in x) for k, x in v.items()),
+    "rlimits": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, list) and len(x) == 2
+                                                     and all(_is_int(n) for n in x) for k, x in v.items()),
     "affinity": lambda v: isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v),
     "nice": lambda v: _is_int(v),
     "cgroup": lambda v: isinstance(v, str),

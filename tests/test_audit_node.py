@@ -223,7 +223,8 @@ def test_one_client_cannot_stop_or_stall_the_standby_and_its_child_is_the_rank(c
     import warm
 
     for payload, why in [(b"[]", "its request is not a JSON object"),
-                         (json.dumps(warm.describe_rank() | {"cwd": 5}).encode(), "its request's cwd has the wrong type"),
+                         (json.dumps(warm.describe_rank() | {"cwd": 5}).encode(),
+                          "its request's cwd has the wrong type"),
                          (json.dumps({"argv": ["train.py"]}).encode(), "its request has other fields"),
                          (b"\xff", "its request is not JSON")]:
         with _client(sock, payload) as conn:
@@ -287,7 +288,8 @@ def test_the_local_tier_is_its_users_alone(corpus, node_tmp, tmp_path):
     from checkpoint.tier import tier_root
 
     local, ckpt = node_tmp / "tier", tmp_path / "ck"
-    proc = run_train(_tier_args(corpus, ckpt, local), env={"PYRECOVER_CRASH_AT_STEP": "4"})  # a kill: the local steps stay for the look below
+    # killed at step 4: the local steps stay for the look below (a clean end would clear them)
+    proc = run_train(_tier_args(corpus, ckpt, local), env={"PYRECOVER_CRASH_AT_STEP": "4"})
     assert proc.returncode != 0 and "[crash] rank 0: kill after the forward pass of step 4" in proc.stdout, proc.stdout
     run_dir = tier_root(local, "default", str(ckpt / "default"))
     steps = sorted(run_dir.glob("rank-*/step-*/*.pt"))
