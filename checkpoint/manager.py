@@ -418,8 +418,9 @@ class CheckpointManager:
         """Resume from the nearest tier: the newest step that every rank holds locally wins if the shared tier has
         nothing newer committed; otherwise the shared tier's `latest`, which each rank still loads from its local tier
         if it holds that step. Only the chosen step is verified: a local copy that fails is removed, and the choice is
-        made again without it. A step restored only from local tiers is then drained to the shared tier, so losing a
-        node right after loses nothing."""
+        made again without it. When the shared tier holds the chosen step, a local copy must also match its manifest
+        (LocalTier.usable), else that rank loads the shared copy. A step restored only from local tiers is then
+        drained to the shared tier, so losing a node right after loses nothing."""
         local = self.tier.committed()
         newest_shared = self.rank.from_main(max((i.step for r in self._roots() for i in layout.list_checkpoints(r)
                                                  if i.committed), default=None) if self.rank.is_main else None)
@@ -430,18 +431,25 @@ class CheckpointManager:
             if newest_shared is not None and (best_local is None or newest_shared > best_local):
                 shared = shared or [self.resolve("latest")]  # perhaps an older one; the same answer everywhere
                 info = shared[0]
-            if info is not None and (best_local is None or info.step > best_local):
+            if info is not None and (best_local is None or info.step >= best_local):
                 step = info.step  # from the shared tier, but a rank holding it locally loads that copy
             elif best_local is not None:
                 step, info = best_local, None
             else:
                 return None
             mine = local.get(step)
-            if mine is not None and not self.tier.usable(mine):
+            found = (info.path, info.manifest) if info is not None else self._shared_manifest(step)
+            if mine is not None and not self.tier.usable(mine, found[1] if found is not None else None):
                 del local[step]
                 mine = None
+            everyone = all(self.rank.gather(mine is not None))
+            if not everyone and info is None and found is not None:  # a local copy refused: the shared one, verified
+                try:
+                    info = self.resolve(str(found[0]))
+                except CheckpointError:
+                    pass  # no copy of this step: choose again, where the shared `latest` names what is wrong with it
             # a rank without the step loads the shared copy; without one, every rank must hold it (else choose again)
-            if info is not None or all(self.rank.gather(mine is not None)):
+            if info is not None or everyone:
                 break
         if mine is not None:
             self.tier.load(mine, state)
@@ -457,6 +465,28 @@ class CheckpointManager:
         if info is None:
             self._drain_restored(step, self.loaded.manifest.get("meta", {}))
         return step
+
+    def _shared_manifest(self, step: int) -> tuple | None:
+        """(folder, manifest) of ``step`` in the shared tier (the run folder, else the mirror's), read by rank 0, the
+        same on every rank; None where neither holds it committed. Its payload is not read: a local copy that matches
+        its records is the run's bytes (LocalTier.usable)."""
+        found, unreadable = None, []
+        if self.rank.is_main:
+            for root in self._roots():
+                step_dir = storage.as_path(root) / layout.step_dir_name(step)
+                try:
+                    if storage.is_link(step_dir) or not (step_dir / layout.COMMITTED).exists():
+                        continue  # a linked step folder is never read (list_checkpoints)
+                    found = (step_dir, layout.read_manifest(step_dir))
+                    break
+                except CheckpointError as e:
+                    unreadable.append(str(e))
+                except OSError as e:  # e.g. an object store that does not answer
+                    unreadable.append(f"{step_dir}: {e.strerror or e}")
+            if found is None and unreadable:
+                _log.warning(f"warning: cannot read the shared tier's manifest of step {step} ({unreadable[0]}); the "
+                             f"local copies of step {step} are checked against their own manifests only")
+        return self.rank.from_main(found)
 
     def _drain_restored(self, step: int, meta: dict) -> None:
         """A step restored from the local tiers alone goes to the shared tier now (in the background), unless it is

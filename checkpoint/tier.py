@@ -10,6 +10,9 @@ step every rank can load.
         .staging-<run id>/      saves being written (published by rename, as in the shared tier)
         .spare/                 payload files of retired steps, to be overwritten by the next saves (Spares)
 
+The run's folder is this user's alone (0700; checkpoint/nodetrust.py): the tier sits in a folder every user of the
+node shares.
+
 Each rank writes and deletes only under its own ``rank-N`` folder; a rank reads only its own and its node leader's:
 no rank ever reads another node's folder. Whether a step is complete in the local tier is agreed by a collective at
 restart (``nearest``), not by files. A local step is used only if its manifest names this run: the shared run folder,
@@ -39,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from . import knobs, layout, storage
+from . import knobs, layout, nodetrust, storage
 from .backends import RankInfo
 from .backends.torchfile import load_pieces, rank_file
 from .errors import CheckpointError
@@ -73,13 +76,24 @@ class LocalTier:
 
     def __init__(self, local_dir, experiment: str, rank: RankInfo, *, leader: int, identity: dict, keep: int = 2):
         base = tier_root(local_dir, experiment, str(identity["origin"]))
+        self._flag = f"--local-checkpoint-dir {local_dir}"
         self.root = base / rank_dir_name(rank.rank)
+        self._private()  # refused before anything is read from there
         self.leader_root = base / rank_dir_name(leader)
         self.rank, self.leader, self.keep = rank, leader, max(keep, 1)
         self.identity = {**identity, "rank": rank.rank, "leader": leader, "world_size": rank.world_size}
         self._writing = layout.writing(self.root)
         self._checked_space = False
         self.spares = Spares(self.root / SPARE_DIR)
+        self._leader_manifests: dict[Path, dict] = {}  # by local step folder: the leader's manifest ``usable`` checked
+
+    def _private(self) -> None:
+        """The run's folder in the tier, 0700 and this user's (checkpoint/nodetrust.py): the tier sits in a folder every
+        user of the node shares, so nobody else may read a step or replace one. Made again after a clear."""
+        try:
+            nodetrust.private_folder(self.root.parent, self._flag)
+        except nodetrust.Untrusted as e:
+            raise CheckpointError(str(e)) from None
 
     @property
     def writes_shared(self) -> bool:
@@ -88,6 +102,7 @@ class LocalTier:
 
     # --- save ----------------------------------------------------------------------------------------------------
     def save_dir(self, run_id: str, step: int) -> Path:
+        self._private()
         step_dir = self._writing.save_dir(self.root, run_id, step)
         self._writing.prepare(step_dir)
         return step_dir
@@ -101,6 +116,7 @@ class LocalTier:
             return
         self._checked_space = first_save
         nbytes = part_bytes()
+        self._private()
         make_dirs(self.root)
         st = os.statvfs(self.root)
         free = st.f_bavail * st.f_frsize + sum(_tree_bytes(p) for p in
@@ -148,20 +164,25 @@ class LocalTier:
         restart reads the bytes of that step only."""
         return {info.step: info for info in layout.list_checkpoints(self.root) if info.committed}
 
-    def usable(self, info: layout.CheckpointInfo) -> bool:
+    def usable(self, info: layout.CheckpointInfo, shared: dict | None = None) -> bool:
         """Verify ``info`` (this rank's part and its leader's) and that it names this run; its bytes stay in
-        ``info.verified`` for the load. A step that fails is removed, with a line saying why."""
+        ``info.verified`` for the load. ``shared``: the shared tier's manifest of the same step, when the shared tier
+        holds it; then every file of the local copy (its leader's part too) must be one that manifest records, with the
+        same size and checksum, or the rank loads the shared copy: a local manifest sits beside the files it vouches
+        for, and whoever can change them can reseal it. A step that fails is removed, with one line saying why."""
         try:
-            info.manifest = self._verified(info.path, info.verified)
+            info.manifest = self._verified(info.path, info.verified, shared)
+            leader = info.manifest
             if self.leader_root != self.root:
-                self._verified(self.leader_root / info.path.name, info.verified)
+                leader = self._verified(self.leader_root / info.path.name, info.verified, shared)
         except CheckpointError as e:
             info.verified.clear()
             self._remove(info, f"not usable ({e})")
             return False
+        self._leader_manifests[info.path] = leader  # the load reads the shared pieces as checked here, not re-read
         return True
 
-    def _verified(self, step_dir: Path, keep: dict | None) -> dict:
+    def _verified(self, step_dir: Path, keep: dict | None, shared: dict | None) -> dict:
         manifest = layout.verify(step_dir, keep=keep)
         mine = {k: v for k, v in manifest.get("meta", {}).get("tier", {}).items() if k in self.identity}
         if step_dir.parent == self.leader_root:
@@ -169,14 +190,16 @@ class LocalTier:
         if mine != self.identity:
             differs = sorted(k for k in self.identity if mine.get(k) != self.identity[k])
             raise CheckpointError(f"written by another run, job or layout ({', '.join(differs)} differ)")
+        if shared is not None:
+            whose = "" if step_dir.parent == self.root else f" of its node leader's part {step_dir}"
+            _check_against(manifest, shared, whose)
         return manifest
 
     def load(self, info: layout.CheckpointInfo, state: CheckpointState) -> None:
-        """Restore ``state`` from this rank's part of ``info`` and its leader's shared pieces (verified as they are
-        read, or already by ``usable``)."""
-        leader_dir = self.leader_root / info.path.name
+        """Restore ``state`` from this rank's part of ``info`` and its leader's shared pieces, both as ``usable``
+        checked them (their bytes verified there, or as they are read against the manifests it checked)."""
         try:
-            shared = (leader_dir, info.manifest if leader_dir == info.path else layout.read_manifest(leader_dir))
+            shared = (self.leader_root / info.path.name, self._leader_manifests.pop(info.path))
             load_pieces(info.path, info.manifest, state, self.rank.rank, info.verified, shared_at=shared)
         finally:
             info.verified.clear()
@@ -290,6 +313,22 @@ def part_bytes(state: CheckpointState, shared: bool) -> int:
 
 def _tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _check_against(manifest: dict, shared: dict, whose: str) -> None:
+    """Every file of a local part (``manifest``: verified) is recorded in ``shared`` (the shared tier's manifest of the
+    same step) by name, size and checksum; else CheckpointError naming the first that is not (``whose``: which part,
+    when not the rank's own). A file the shared tier does not list is refused too: nothing vouches for it."""
+    algorithm, step = manifest["checksum"], shared["step"]
+    for name, record in manifest["files"].items():
+        theirs = shared["files"].get(name)
+        if theirs is None:
+            raise CheckpointError(f"{name}{whose} is not in the shared tier's step {step}, so nothing vouches for it; "
+                                  "the rank loads the shared tier's copy instead")
+        if (shared["checksum"] != algorithm or theirs.get("size") != record["size"]
+                or theirs.get(algorithm) != record[algorithm]):
+            raise CheckpointError(f"{name}{whose} differs in size or {algorithm} from its record in the shared tier's "
+                                  f"step {step}; the rank loads the shared tier's copy instead")
 
 
 def everywhere(local: dict[int, layout.CheckpointInfo], gather: Callable[[object], list]) -> int | None:

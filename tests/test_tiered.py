@@ -8,17 +8,20 @@ run the same with real hosts (tests/slurm/).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from helpers import (PY, ROOT, TINY, check_weights, env_for_tests, in_ci, kill_run_at_row, loss_rows, run_torchrun,
-                     run_train, torchrun_cmd)
+from helpers import (PY, ROOT, TINY, check_weights, csv_rows, env_for_tests, in_ci, kill_run_at_row, loss_rows,
+                     run_torchrun, run_train, torchrun_cmd)
 
 STEPS, SHARED_EVERY, LOCAL_EVERY = 30, 20, 2
 TWO_NODES = {"PYRECOVER_TEST_RANKS_PER_NODE": "1"}
@@ -313,3 +316,138 @@ def test_a_failed_drain_gives_up_on_the_shared_step_at_once_and_keeps_the_local_
     assert not landed and [where for where, _ in abandoned] == [shared], abandoned
     assert "changed since its local commit" in abandoned[0][1]
     assert drainer.protected() == {2}
+
+
+# --- a local copy that differs from the shared tier's copy of the same step (issue #41, class 6) -------------------
+
+
+def _stop_at_row(cmd: list[str], csv: Path, row: int, out: Path, env: dict | None = None) -> int:
+    """Run ``cmd`` until its loss CSV has ``row`` rows, then SIGTERM every rank, as SLURM ends a job: the run saves at
+    the next step boundary, in the local tier and drained to the shared one, and stops; its local tier stays (a stop
+    is not a clean end). Returns the stop step; the output goes to ``out``."""
+    with open(out, "w") as f:  # a file, not a pipe: nothing blocks the run while this waits for its rows
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                env=env_for_tests({**(env or {}), "PYRECOVER_STEP_SLEEP": "0.2"}))
+        try:
+            ranks = [proc.pid]
+            deadline = time.monotonic() + 240
+            while csv_rows(csv) < row or len(ranks := _ranks(proc)) < _nproc(cmd):
+                assert proc.poll() is None, f"run ended (rc {proc.returncode}): {out.read_text()[-2000:]}"
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            for pid in ranks:
+                os.kill(pid, signal.SIGTERM)
+            proc.wait(timeout=120)
+        finally:
+            proc.kill()
+    said = re.findall(r"saving and stopping at step (\d+): received SIGTERM", out.read_text())
+    assert said and len(set(said)) == 1, out.read_text()[-3000:]
+    return int(said[0])
+
+
+def _nproc(cmd: list[str]) -> int:
+    return next((int(a.split("=")[1]) for a in cmd if a.startswith("--nproc_per_node=")), 1)
+
+
+def _ranks(proc: subprocess.Popen) -> list[int]:
+    """The run's train.py processes: ``proc`` itself, or torchrun's children."""
+    if _nproc(proc.args) == 1:
+        return [proc.pid]
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) if entry.name.isdigit() else 0
+            if parent == proc.pid and b"train.py" in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _local_steps(rank_dir: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in rank_dir.glob("step-*") if (p / "COMMITTED").exists())
+
+
+def _reseal(step_dir: Path, older: Path) -> None:
+    """Give a local step the payload of an ``older`` one and rewrite its manifest and COMMITTED as layout.commit does:
+    on its own, the local step still verifies."""
+    from checkpoint import layout
+    from checkpoint.fsio import checksum_file
+
+    manifest = json.loads((step_dir / layout.MANIFEST).read_text())
+    for name in manifest["files"]:
+        shutil.copyfile(older / name, step_dir / name)
+        size, digest = checksum_file(step_dir / name)
+        manifest["files"][name] = {"size": size, manifest["checksum"]: digest}
+    layout.write_commit(step_dir, json.dumps(manifest, indent=1).encode())
+    layout.verify(step_dir)
+
+
+def _refused_once(output: str, copy: Path, why: str) -> None:
+    """Exactly one line names the refused local ``copy`` (besides rank 0's read-ahead of it), and says ``why``."""
+    lines = [line for line in output.splitlines() if str(copy) in line and not line.startswith("read ahead ")]
+    assert len(lines) == 1, lines or output[-3000:]
+    assert lines[0].startswith(f"local tier: removed {copy}: not usable (") and why in lines[0], lines[0]
+
+
+def test_a_local_copy_resealed_with_older_weights_loses_to_the_shared_tiers_copy_of_that_step(tmp_path, corpus):
+    """One rank. A stop saves step S in both tiers; then the local copy of S gets the payload of the local step before
+    it and its manifest resealed, so it verifies on its own. The restart takes S from the shared tier, says so in one
+    line naming the local copy, and the run ends bitwise equal to an uninterrupted one -- although the restart had
+    read the tampered copy ahead while it set up."""
+    ckpt, local = tmp_path / "ckpt", tmp_path / "local"
+    args = _args(corpus, ckpt, local)
+    stop = _stop_at_row([PY, str(ROOT / "train.py"), *args], ckpt / "run" / "loss.csv", 5, tmp_path / "stop.log")
+    mine = _tier(local, ckpt) / "rank-00000"
+    held = _local_steps(mine)
+    assert held[-1] == stop and len(held) == 2, held
+    assert (ckpt / "run" / f"step-{stop:08d}" / "COMMITTED").exists()
+    tampered = mine / f"step-{stop:08d}"
+    _reseal(tampered, mine / f"step-{held[-2]:08d}")
+
+    out = run_train(args, check=True)
+    text = out.stdout + out.stderr
+    assert (stop, "0 of 1 ranks from their local tier, 1 from the shared tier") == _resumed(text), text[-3000:]
+    assert f"resumed from {ckpt / 'run' / f'step-{stop:08d}'} " in text
+    ahead = rf"^read ahead [\d.]+ of [\d.]+ MiB of {re.escape(str(tampered))} while setting up"
+    assert re.search(ahead, text, re.M), text[-3000:]  # it read the tampered copy, which the load then refused
+    _refused_once(text, tampered, f"from its record in the shared tier's step {stop}; the rank loads the shared "
+                                  "tier's copy instead)")
+    single = tmp_path / "single"
+    run_train(_args(corpus, single, None), check=True)
+    final = f"step-{STEPS:08d}"
+    same = check_weights(ckpt / "run" / final, single / "run" / final, "--optimizer", "--tolerance", "0")
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert loss_rows(ckpt / "run" / "loss.csv") == loss_rows(single / "run" / "loss.csv")
+    assert not _tier(local, ckpt).exists(), "a clean end leaves the local tier empty"
+
+
+def test_two_ranks_of_one_node_load_a_step_both_tiers_hold_locally_unless_a_copy_differs(tmp_path, corpus,
+                                                                                           reference):
+    """Two ranks on one node, stopped twice with the stop's step in both tiers:
+    1. untouched, both ranks load it from their local tier: rank 1's own file and its node leader's shared pieces
+       match the shared tier's records;
+    2. rank 1's local copy given its older step's file and resealed: rank 1 loads that step from the shared tier,
+       rank 0 from its local tier, one line names rank 1's copy;
+    and the run ends bitwise equal to the uninterrupted one."""
+    ckpt, local = tmp_path / "ckpt", tmp_path / "local"
+    args, csv = _args(corpus, ckpt, local), ckpt / "run" / "loss.csv"
+    first = _stop_at_row(torchrun_cmd(2, args), csv, 5, tmp_path / "first.log")
+    second = _stop_at_row(torchrun_cmd(2, args), csv, first + 3, tmp_path / "second.log")
+    step, where = _resumed((tmp_path / "second.log").read_text())
+    assert (step, where) == (first, "2 of 2 ranks from their local tier"), (step, where)
+
+    mine = _tier(local, ckpt) / "rank-00001"
+    held = _local_steps(mine)
+    assert held[-1] == second and len(held) == 2, held
+    tampered = mine / f"step-{second:08d}"
+    _reseal(tampered, mine / f"step-{held[-2]:08d}")
+    out = run_torchrun(2, args, check=True)
+    text = out.stdout + out.stderr
+    assert _resumed(text) == (second, "1 of 2 ranks from their local tier, 1 from the shared tier"), text[-3000:]
+    _refused_once(text, tampered, f"rank-00001.pt differs in size or xxh3_64 from its record in the shared tier's "
+                                  f"step {second}; the rank loads the shared tier's copy instead)")
+    final = f"step-{STEPS:08d}"
+    same = check_weights(ckpt / "run" / final, reference / final, "--optimizer", "--tolerance", "0")
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert loss_rows(csv) == loss_rows(reference / "loss.csv")
