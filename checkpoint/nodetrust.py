@@ -48,10 +48,17 @@ def _check_component(path: Path, st: os.stat_result, what: str) -> None:
                         f"(e.g. /dev/shm/$USER) or chmod go-w it")
 
 
+def _absolute(path: str | os.PathLike, what: str) -> Path:
+    """``path`` made absolute; a ``..`` in it is refused: the kernel resolves it after a symlink, the check before."""
+    if ".." in Path(path).parts:
+        raise Untrusted(f"{what}: give a path without '..' (after a symbolic link it leads elsewhere than it reads)")
+    return Path(os.path.abspath(path))
+
+
 def check_path(path: str | os.PathLike, what: str) -> None:
     """Raise Untrusted unless every existing folder and symlink on the way to ``path`` (itself included) passes the
     rule above. ``what``: the flag or thing, for the message."""
-    path = Path(os.path.abspath(path))
+    path = _absolute(path, what)
     seen: set[Path] = set()
     todo = [path]
     while todo:  # the path as given, then each symlink's target: both routes must be safe
@@ -74,7 +81,7 @@ def check_path(path: str | os.PathLike, what: str) -> None:
 def private_folder(path: str | os.PathLike, what: str) -> Path:
     """``path`` as this user's own folder (mode 0700), created with every missing folder above it (each 0700, each
     made durable in its parent); the rule above checked on the way. Raises Untrusted."""
-    path = Path(os.path.abspath(path))
+    path = _absolute(path, what)
     check_path(path, what)
     missing = []
     probe = path
@@ -84,17 +91,23 @@ def private_folder(path: str | os.PathLike, what: str) -> Path:
     for folder in reversed(missing):
         try:
             os.mkdir(folder, 0o700)
-        except FileExistsError:  # another rank of this run (or another user: checked below) made it meanwhile
+        except FileExistsError:  # another rank of this run made it meanwhile -- or someone else: checked before use
+            _check_component(folder, os.lstat(folder), what)
             continue
         _fsync_dir(folder.parent)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise Untrusted(f"{what}: {path} exists and is not a folder; remove it or use another path")
-    if st.st_uid != os.geteuid():
-        raise Untrusted(f"{what}: {path} belongs to {_whose(st.st_uid)}, not to you; use a folder of your own "
-                        f"(e.g. /dev/shm/$USER)")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)  # ours but open to others (made under another umask): only we read a checkpoint
+    try:  # opened without following a link, so the checks and the chmod are of this very folder
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        raise Untrusted(f"{what}: {path} exists and is not a folder; remove it or use another path") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise Untrusted(f"{what}: {path} belongs to {_whose(st.st_uid)}, not to you; use a folder of your own "
+                            f"(e.g. /dev/shm/$USER)")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)  # ours but open to others (made under another umask): only we read a checkpoint
+    finally:
+        os.close(fd)
     check_path(path, what)  # what was created or existed meanwhile passes too
     return path
 
@@ -103,7 +116,7 @@ def own_folder(path: str | os.PathLike, what: str) -> Path:
     """``path`` as a folder of this user's alone, for a socket: created 0700 when missing; an existing one must be
     owned by this user and writable by nobody else, and is left as it is (it may be a home folder). Raises
     Untrusted."""
-    path = Path(os.path.abspath(path))
+    path = _absolute(path, what)
     if not os.path.lexists(path):
         return private_folder(path, what)
     check_path(path, what)

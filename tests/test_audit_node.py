@@ -174,14 +174,15 @@ def test_a_second_standby_on_a_live_path_is_refused_and_each_removes_only_its_ow
 
 # --- 2 and 3. one client cannot stop or stall it; its child is the rank ----------------------------------------------
 
-def _client(sock: str, payload: bytes | None) -> socket.socket:
+def _client(sock: str, payload: bytes | None, fds: int = 0) -> socket.socket:
+    """A client of the standby that sends ``payload`` (None: nothing), with ``fds`` descriptors attached."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     conn.settimeout(30)
     conn.connect(sock)
     if payload is not None:
         null = os.open(os.devnull, os.O_RDWR)
         try:
-            socket.send_fds(conn, [payload], [null, null, null])
+            socket.send_fds(conn, [payload], [null] * fds)
         finally:
             os.close(null)
     return conn
@@ -222,16 +223,43 @@ def test_one_client_cannot_stop_or_stall_the_standby_and_its_child_is_the_rank(c
 
     import warm
 
-    for payload, why in [(b"[]", "its request is not a JSON object"),
-                         (json.dumps(warm.describe_rank() | {"cwd": 5}).encode(),
-                          "its request's cwd has the wrong type"),
-                         (json.dumps({"argv": ["train.py"]}).encode(), "its request has other fields"),
-                         (b"\xff", "its request is not JSON")]:
-        with _client(sock, payload) as conn:
-            assert why in json.loads(conn.recv(4096))["decline"]
+    rank_request = json.dumps(warm.describe_rank()).encode()
+    for payload, fds, why in [(b"[]", 0, "its request is not a JSON object"),
+                              (json.dumps(warm.describe_rank() | {"cwd": 5}).encode(), 0,
+                               "its request's cwd has the wrong type or range"),
+                              (json.dumps({"argv": ["train.py"]}).encode(), 0, "its request has other fields"),
+                              (b"[" * 100000, 0, "its request is not JSON"),
+                              (rank_request, 3, "carries descriptors"),  # the streams go only after the standby agreed
+                              (b"\xff", 0, "its request is not JSON")]:
+        with _client(sock, payload, fds) as conn:
+            assert why in json.loads(conn.recv(4096))["decline"], payload[:100]
     assert json.loads(silent.recv(4096)) == {"decline": "no request within 5s"}
     silent.close()
-    assert child in _children(server) and server.poll() is None  # still training, still serving
+
+    # A flood: more connections than select() could watch (descriptor numbers past 1024), all silent.
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    flood = []
+    try:
+        for _ in range(1100):
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            conn.setblocking(False)
+            conn.connect_ex(sock)  # past the backlog: EAGAIN, as a rank would see it (and start cold)
+            flood.append(conn)
+        time.sleep(1)
+        assert child in _children(server) and server.poll() is None  # still training, still serving
+    finally:
+        for conn in flood:
+            conn.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    # A bad flag through the standby exits as a cold start would: 2, argparse's lines, no traceback.
+    bogus = subprocess.run([PY, str(ROOT / "train.py"), "--bogus-flag"], capture_output=True, text=True,
+                           timeout=120, cwd=ROOT, env=env_for_tests(env))
+    assert bogus.returncode == 2 and "Traceback" not in bogus.stderr and not _warm_lines(bogus.stderr), bogus.stderr
+    assert "unrecognized arguments: --bogus-flag" in bogus.stderr, bogus.stderr
+    assert child in _children(server) and server.poll() is None
 
     out, err = rank.communicate(timeout=300)
     assert rank.returncode == 0 and "done: 40 steps" in out, err[-3000:]
