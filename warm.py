@@ -312,7 +312,7 @@ def hand_over(path: str) -> int | None:
 def _say(line: str) -> None:
     """One line on the standby's stderr, never waiting: a full pipe (nobody reads the standby's output) or a closed
     one drops the line rather than stall or end the standby that runs ranks."""
-    data = (line.rstrip("\n")[:4000] + "\n").encode(errors="replace")
+    data = line.rstrip("\n").encode(errors="replace")[:4000] + b"\n"
     try:
         _, writable, _ = select.select([], [2], [], 0)
         if writable:
