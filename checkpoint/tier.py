@@ -76,7 +76,7 @@ class LocalTier:
 
     def __init__(self, local_dir, experiment: str, rank: RankInfo, *, leader: int, identity: dict, keep: int = 2):
         base = tier_root(local_dir, experiment, str(identity["origin"]))
-        self._flag = f"--local-checkpoint-dir {local_dir}"
+        self._flag, self._folder_checked = f"--local-checkpoint-dir {local_dir}", False
         self.root = base / rank_dir_name(rank.rank)
         self._private()  # refused before anything is read from there
         self.leader_root = base / rank_dir_name(leader)
@@ -89,11 +89,15 @@ class LocalTier:
 
     def _private(self) -> None:
         """The run's folder in the tier, 0700 and this user's (checkpoint/nodetrust.py): the tier sits in a folder every
-        user of the node shares, so nobody else may read a step or replace one. Made again after a clear."""
+        user of the node shares, so nobody else may read a step or replace one. Checked once (0700 in a safe parent:
+        no one else can move it), and made again after a clear removed it."""
+        if self._folder_checked:
+            return
         try:
             nodetrust.private_folder(self.root.parent, self._flag)
         except nodetrust.Untrusted as e:
             raise CheckpointError(str(e)) from None
+        self._folder_checked = True
 
     @property
     def writes_shared(self) -> bool:
@@ -233,6 +237,7 @@ class LocalTier:
             self.root.parent.rmdir()  # the run's folder, once every rank of the node has cleared its own
         except OSError:
             pass
+        self._folder_checked = False  # gone, or going with another rank's clear: the next save makes it again
 
     def _remove(self, info: layout.CheckpointInfo, why: str) -> None:
         try:
