@@ -1,4 +1,5 @@
-"""Data pipeline: parquet ``text`` -> tokens (cached next to the data) -> packed windows -> resumable loader.
+"""Data pipeline: parquet or JSON Lines ``text`` -> tokens (cached next to the data) -> packed windows -> resumable
+loader.
 
 Public API (used by train.py)::
 
@@ -6,25 +7,26 @@ Public API (used by train.py)::
     load_tokenizer(name_or_path) -> Tokenizer          (name, vocab_size, eos_id, encode_batch, decode)
     load_token_windows(parquet_path, tokenizer, seq_len) -> TokenWindows
     is_sharded(spec), load_sharded_windows(folder_or_glob, tokenizer, seq_len, ...) -> ShardedWindows
-    hold_out(windows, n), token_parts(windows), fingerprint(*arrays)
+    hold_out(windows, n[, fraction]), load_val_windows(spec, tokenizer, seq_len, ...), token_parts(windows),
+    fingerprint(*arrays)
     TrainLoader(windows, batch_size, rank, world_size, seed)
         .next_batch() -> (inputs [B, T], targets [B, T]);  .state_dict() / .load_state_dict(sd)
 
-Token stream: every non-empty document of the ``text`` column is tokenized (no BOS) and followed by the tokenizer's
-EOS id; the documents are concatenated in file order. Window ``i`` is ``tokens[i*T : i*T + T + 1]`` (T = seq_len):
-consecutive windows share one boundary token, so every token after the first is a target exactly once. No padding;
-the tail that does not fill a window is dropped.
+Token stream: every non-empty document of the ``text`` column (``--text-column``; a key of each line in a ``.jsonl`` /
+``.jsonl.gz`` file) is tokenized (no BOS) and followed by the tokenizer's EOS id; the documents are concatenated in
+file order. Window ``i`` is ``tokens[i*T : i*T + T + 1]`` (T = seq_len): consecutive windows share one boundary token,
+so every token after the first is a target exactly once. No padding; the tail that does not fill a window is dropped.
 
-The token stream is cached as a uint32 ``.npy`` next to the parquet file
-(``<data>.<tokenizer>.<key>.tokens.npy``, key = hash of file size + mtime_ns), written atomically, memory-mapped on
-later starts. Its xxh3 checksum, computed as it is written, follows the array in the file; a cache is used only if the
-whole array matches it when opened (truncated, corrupt or unchecksummed: rebuilt, in one line). Where the data's folder
-cannot take a cache (read-only, no permission, full), it goes to the per-user cache folder (``user_cache_folder``:
-$PYRECOVER_CACHE_DIR, else $XDG_CACHE_HOME/pyrecover/tokens, else ~/.cache/pyrecover/tokens; the name also keys the
-data's absolute path); where no folder can, the tokens are made in memory at every start.
+The token stream is cached as a uint32 ``.npy`` next to the data file (``<data>.<tokenizer>.<key>.tokens.npy``, key =
+hash of file size + mtime_ns; another column than ``text``: in the name and the key), written atomically, memory-mapped
+on later starts. Its xxh3 checksum, computed as it is written, follows the array in the file; a cache is used only if
+the whole array matches it when opened (truncated, corrupt or unchecksummed: rebuilt, in one line). Where the data's
+folder cannot take a cache (read-only, no permission, full), it goes to the per-user cache folder
+(``user_cache_folder``: $PYRECOVER_CACHE_DIR, else $XDG_CACHE_HOME/pyrecover/tokens, else ~/.cache/pyrecover/tokens;
+the name also keys the data's absolute path); where no folder can, the tokens are made in memory at every start.
 
-Sharded data (``--dataset`` a folder of ``*.parquet`` or a glob): one such cache per shard, built by the ranks
-together, and windows per shard behind one index space (``ShardedWindows``; see its section below).
+Sharded data (``--dataset`` a folder of ``*.parquet`` or of ``*.jsonl[.gz]``, or a glob): one such cache per shard,
+built by the ranks together, and windows per shard behind one index space (``ShardedWindows``; see its section below).
 
 Loader order: epoch ``e`` uses ``torch.randperm(num_windows)`` from a generator seeded by (seed, e). Global batch
 ``g`` is ``perm[pos : pos + batch_size * world_size]`` and rank ``r`` takes ``[r*batch_size : (r+1)*batch_size]`` of
@@ -120,6 +122,7 @@ _TRAILER_LEN = len(_CHECKSUM_MAGIC) + 8
 # A cache write fails with these where the folder (or its disk) cannot take one: the next place is tried.
 _CANNOT_WRITE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
                            errno.EEXIST})
+_CACHE_SUFFIXES = (".tokens.npy", ".tokens.lock")  # a token cache and its lock (their temp files are dot-files)
 _CHUNK_CHARS = 4_000_000  # text handed to the tokenizer per call: bounds memory of the Python id lists
 
 
@@ -127,44 +130,138 @@ def _log(msg: str) -> None:
     print(f"[dataset] {msg}", file=sys.stderr, flush=True)
 
 
-def _open_parquet(path: Path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+DEFAULT_COLUMN = "text"
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")  # JSON Lines, one document per line (gzip by its suffix)
+DATA_SUFFIXES = (".parquet", *JSONL_SUFFIXES)
 
+
+def is_jsonl(path: str | os.PathLike) -> bool:
+    return str(path).endswith(JSONL_SUFFIXES)
+
+
+def _open_data(path: Path, column: str = DEFAULT_COLUMN):
+    """The documents of one data file (``_Parquet`` or ``_JsonLines``, by its suffix), checked as far as is possible
+    without reading it all: exists, readable, has ``column`` (of strings, for parquet)."""
+    if not is_jsonl(path):
+        return _Parquet(path, column)  # _open_parquet checks that the file is there
+    _check_exists(path)
+    return _JsonLines(path, column)
+
+
+def _check_exists(path: Path) -> None:
     if not path.exists():
         raise DataError(f"data file {path} does not exist; pass --dataset PATH or create the default one with: "
                         f"python dataset.py build-default --output {path}")
     if path.is_dir():
-        raise DataError(f"data path {path} is a directory; pass it as --dataset to train on its *.parquet shards")
+        raise DataError(f"data path {path} is a directory; pass it as --dataset to train on its *.parquet or *.jsonl "
+                        "shards")
+
+
+def _open_parquet(path: Path, column: str = DEFAULT_COLUMN):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _check_exists(path)
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError, ValueError) as e:
         raise DataError(f"{path} is not a readable parquet file ({brief_error(e)}); "
-                        "pass a parquet file with a 'text' column") from None
+                        f"pass a parquet file with a '{column}' column, or JSON Lines (.jsonl, .jsonl.gz)") from None
     names = pf.schema_arrow.names
-    if "text" not in names:
-        raise DataError(f"{path} has no 'text' column (columns: {', '.join(names) or 'none'}); "
-                        "rename your text column to 'text'")
-    field = pf.schema_arrow.field("text")
+    if column not in names:
+        raise DataError(f"{path} has no '{column}' column (columns: {', '.join(names) or 'none'}); "
+                        "pass --text-column with the column that holds the documents")
+    field = pf.schema_arrow.field(column)
     if not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)
             or getattr(pa.types, "is_string_view", lambda _t: False)(field.type)):
-        raise DataError(f"column 'text' of {path} has type {field.type}, expected strings; store the documents as text")
+        raise DataError(f"column '{column}' of {path} has type {field.type}, expected strings; store the documents "
+                        "as text, or pass --text-column with another column")
     return pf
 
 
-def _iter_text_chunks(pf) -> Iterator[list[str]]:
+class _Parquet:
+    """The ``column`` values of a parquet file, in file order (a null is an empty document)."""
+
+    def __init__(self, path: Path, column: str):
+        self.path, self.column = path, column
+        self.file = _open_parquet(path, column)
+
+    def has_rows(self) -> bool:
+        return self.file.metadata.num_rows > 0
+
+    def texts(self) -> Iterator[str | None]:
+        for batch in self.file.iter_batches(batch_size=512, columns=[self.column]):
+            yield from batch.column(0).to_pylist()
+
+
+class _JsonLines:
+    """The ``column`` values of a JSON Lines file (gzip if it ends in .gz), in file order, streamed: one line in
+    memory at a time. Read with the standard library rather than pyarrow.json, which loads the whole file as one
+    table and names a bad row only within its block; here a bad line is named by its line number. Blank lines are
+    skipped, a null value is an empty document (as a parquet null); anything else not a string is an error."""
+
+    def __init__(self, path: Path, column: str):
+        self.path, self.column = path, column
+        first = next(self._records(), None)  # a missing column is seen at the first record, before any tokenizing
+        if first is not None and column not in first[1]:
+            raise DataError(f"{path} has no '{column}' key (keys in line {first[0]}: "
+                            f"{', '.join(map(str, first[1])) or 'none'}); pass --text-column with the key that holds "
+                            "the documents")
+
+    def has_rows(self) -> bool:
+        return next(self._records(), None) is not None
+
+    def _bad(self, lineno: int, what: str) -> DataError:
+        return DataError(f"{self.path} line {lineno}: {what}; fix or remove that line (one JSON object per line, "
+                         f"with the document as a string under '{self.column}')")
+
+    def _records(self) -> Iterator[tuple[int, dict]]:
+        """(line number, object) of each non-blank line."""
+        import gzip
+        import zlib
+
+        lineno = 0
+        try:
+            with (gzip.open(self.path, "rb") if str(self.path).endswith(".gz") else open(self.path, "rb")) as f:
+                for lineno, raw in enumerate(f, 1):
+                    if not raw.strip():
+                        continue
+                    try:
+                        record = json.loads(raw.decode("utf-8"))
+                    except UnicodeDecodeError:
+                        raise self._bad(lineno, "not UTF-8 text") from None
+                    except ValueError as e:
+                        raise self._bad(lineno, f"not JSON ({e.msg} at column {e.colno})") from None
+                    if not isinstance(record, dict):
+                        raise self._bad(lineno, f"a JSON {type(record).__name__}, not an object")
+                    yield lineno, record
+        except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # BadGzipFile is an OSError without an errno
+            where = f"after line {lineno}" if lineno else "from its start"
+            raise DataError(f"{self.path} is corrupt: it cannot be read {where} ({brief_error(e)}); replace or remove "
+                            "that file") from None
+
+    def texts(self) -> Iterator[str | None]:
+        for lineno, record in self._records():
+            if self.column not in record:
+                raise self._bad(lineno, f"no '{self.column}' key (keys: {', '.join(map(str, record)) or 'none'})")
+            text = record[self.column]
+            if text is not None and not isinstance(text, str):
+                raise self._bad(lineno, f"'{self.column}' is a JSON {type(text).__name__}, not a string")
+            yield text
+
+
+def _iter_text_chunks(source) -> Iterator[list[str]]:
     """Non-empty documents in file order, grouped into lists of about _CHUNK_CHARS characters."""
     chunk: list[str] = []
     size = 0
-    for batch in pf.iter_batches(batch_size=512, columns=["text"]):
-        for text in batch.column(0).to_pylist():
-            if not text or text.isspace():
-                continue
-            chunk.append(text)
-            size += len(text)
-            if size >= _CHUNK_CHARS:
-                yield chunk
-                chunk, size = [], 0
+    for text in source.texts():
+        if not text or text.isspace():
+            continue
+        chunk.append(text)
+        size += len(text)
+        if size >= _CHUNK_CHARS:
+            yield chunk
+            chunk, size = [], 0
     if chunk:
         yield chunk
 
@@ -179,11 +276,11 @@ def _npy_header(n: int) -> bytes:
     return header
 
 
-def _tokenize_to(pf, tokenizer: Tokenizer, out, digest=None) -> tuple[int, int]:
+def _tokenize_to(source, tokenizer: Tokenizer, out, digest=None) -> tuple[int, int]:
     """Stream the token ids (uint32, EOS after each document) into ``out`` (and ``digest``); returns (docs, tokens)."""
     eos = np.array([tokenizer.eos_id], dtype=_TOKEN_DTYPE)
     docs = tokens = 0
-    for texts in _iter_text_chunks(pf):
+    for texts in _iter_text_chunks(source):
         parts = []
         for ids in tokenizer.encode_arrays(texts):
             if len(ids) == 0:
@@ -212,24 +309,30 @@ def user_cache_folder() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "pyrecover" / "tokens"
 
 
-def _cache_path(path: Path, tokenizer: Tokenizer, folder: Path | None = None) -> Path:
+def _cache_path(path: Path, tokenizer: Tokenizer, folder: Path | None = None, column: str = DEFAULT_COLUMN) -> Path:
     """The cache of ``path``'s tokens: beside it (``folder`` None), keyed by its size and mtime, so that data moved
     together with its cache keeps it; in another folder also by its absolute path, since one folder then serves data
-    files of the same name from many places."""
+    files of the same name from many places. Another column than ``text`` is other data: it is in the key and in the
+    name (a rebuild removes the caches of older versions by name, never another column's); the ``text`` column's
+    caches keep the names they had before there was a choice."""
     st = path.stat()
-    key = sha16(f"{st.st_size}:{st.st_mtime_ns}:{_CACHE_FORMAT}".encode())[:12]
+    named = "" if column == DEFAULT_COLUMN else f":column={column}"
+    key = sha16(f"{st.st_size}:{st.st_mtime_ns}:{_CACHE_FORMAT}{named}".encode())[:12]
     safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in tokenizer.name)
+    if column != DEFAULT_COLUMN:
+        safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in column)[:40] + "-column." + safe
     if folder is None:
         return path.with_name(f"{path.name}.{safe}.{key}.tokens.npy")
     return folder / f"{path.name}.{sha16(str(path.resolve()).encode())[:8]}.{safe}.{key}.tokens.npy"
 
 
-def cache_places(path: Path, tokenizer: Tokenizer, folder: str | os.PathLike | None = None) -> list[Path]:
-    """Where the token cache of ``path`` may be, preferred first: in ``folder`` if one is chosen, else beside the data,
-    then in the per-user cache folder."""
+def cache_places(path: Path, tokenizer: Tokenizer, folder: str | os.PathLike | None = None,
+                 column: str = DEFAULT_COLUMN) -> list[Path]:
+    """Where the token cache of ``path``'s ``column`` may be, preferred first: in ``folder`` if one is chosen, else
+    beside the data, then in the per-user cache folder."""
     if folder is not None:
-        return [_cache_path(path, tokenizer, Path(folder))]
-    return [_cache_path(path, tokenizer), _cache_path(path, tokenizer, user_cache_folder())]
+        return [_cache_path(path, tokenizer, Path(folder), column)]
+    return [_cache_path(path, tokenizer, column=column), _cache_path(path, tokenizer, user_cache_folder(), column)]
 
 
 def _checksum(tokens: np.ndarray) -> bytes:
@@ -275,16 +378,16 @@ def _unmap_pages(arr: np.ndarray) -> None:
                 mm.madvise(getattr(mmap, advice))
 
 
-def _build_cache(path: Path, pf, tokenizer: Tokenizer, cache: Path, verbose: bool, note: str = "") -> None:
+def _build_cache(path: Path, source, tokenizer: Tokenizer, cache: Path, verbose: bool, note: str = "") -> None:
     t0 = time.perf_counter()
     digest = xxhash.xxh3_64()
     with atomic_file(cache) as f:
         f.write(b"\0" * _NPY_HEADER_LEN)
-        docs, ntok = _tokenize_to(pf, tokenizer, f, digest)
+        docs, ntok = _tokenize_to(source, tokenizer, f, digest)
         if delay := knobs.tokenize_delay_s():
             time.sleep(delay)  # a slow tokenizer: the SIGKILL tests land in the middle of a cache write
         if ntok == 0:
-            raise _no_tokens_error(path)  # nothing is committed: the temp file is removed
+            raise _no_tokens_error(path, source.column)  # nothing is committed: the temp file is removed
         f.write(_CHECKSUM_MAGIC + digest.digest())
         f.seek(0)
         f.write(_npy_header(ntok))
@@ -300,20 +403,22 @@ def _build_cache(path: Path, pf, tokenizer: Tokenizer, cache: Path, verbose: boo
                 old.unlink()
 
 
-def _tokens_in_memory(pf, tokenizer: Tokenizer) -> np.ndarray:
+def _tokens_in_memory(source, tokenizer: Tokenizer) -> np.ndarray:
     buf = io.BytesIO()
-    _tokenize_to(pf, tokenizer, buf)
+    _tokenize_to(source, tokenizer, buf)
     return np.frombuffer(buf.getvalue(), dtype=_TOKEN_DTYPE)
 
 
-def _no_tokens_error(path: Path) -> DataError:
-    return DataError(f"data file {path} contains no tokens (no non-empty 'text' values); "
-                     "pass a parquet file with text in it")
+def _no_tokens_error(path: Path, column: str = DEFAULT_COLUMN) -> DataError:
+    return DataError(f"data file {path} contains no tokens (no non-empty '{column}' values); "
+                     "pass a data file with text in it")
 
 
 def load_tokens(parquet_path: str | os.PathLike, tokenizer: Tokenizer, verbose: bool = True,
-                cache_dir: str | os.PathLike | None = None, allow_memory: bool = True) -> np.ndarray:
-    """The whole token stream of a parquet file (uint32, memory-mapped from the cache; built on first use).
+                cache_dir: str | os.PathLike | None = None, allow_memory: bool = True,
+                column: str = DEFAULT_COLUMN) -> np.ndarray:
+    """The whole token stream of a data file's ``column`` (parquet or JSON Lines; uint32, memory-mapped from the
+    cache; built on first use).
 
     The cache is beside the data; where that folder cannot take it, in the per-user cache folder (one line says so);
     where no folder can, the tokens are made in memory (one line naming the folders tried). ``cache_dir``: the one
@@ -323,13 +428,13 @@ def load_tokens(parquet_path: str | os.PathLike, tokenizer: Tokenizer, verbose: 
     working locks nothing breaks.
     """
     path = Path(parquet_path)
-    pf = _open_parquet(path)
-    with _readable(path):
-        return _load_tokens(path, pf, tokenizer, verbose, cache_dir, allow_memory)
+    source = _open_data(path, column)
+    with _readable(path, column):
+        return _load_tokens(path, source, tokenizer, verbose, cache_dir, allow_memory)
 
 
 @contextlib.contextmanager
-def _readable(path: Path) -> Iterator[None]:
+def _readable(path: Path, column: str = DEFAULT_COLUMN) -> Iterator[None]:
     """A parquet file whose footer reads but whose pages do not (damaged in the middle): one line naming it."""
     import pyarrow as pa
 
@@ -338,12 +443,12 @@ def _readable(path: Path) -> Iterator[None]:
     except (pa.ArrowException, OSError) as e:
         if isinstance(e, OSError) and e.errno is not None:  # the file system's (a cache write): not the data's fault
             raise
-        raise DataError(f"{path} is corrupt: its 'text' column cannot be read ({brief_error(e)}); replace or remove "
-                        "that file") from None
+        raise DataError(f"{path} is corrupt: its '{column}' column cannot be read ({brief_error(e)}); replace or "
+                        "remove that file") from None
 
 
-def _load_tokens(path: Path, pf, tokenizer: Tokenizer, verbose: bool, cache_dir, allow_memory: bool) -> np.ndarray:
-    places = cache_places(path, tokenizer, cache_dir)
+def _load_tokens(path: Path, source, tokenizer: Tokenizer, verbose: bool, cache_dir, allow_memory: bool) -> np.ndarray:
+    places = cache_places(path, tokenizer, cache_dir, source.column)
     for cache in places:
         tokens, _ = _open_cache(cache, tokenizer)
         if tokens is not None:
@@ -352,7 +457,7 @@ def _load_tokens(path: Path, pf, tokenizer: Tokenizer, verbose: bool, cache_dir,
     for cache in places:
         note = f" ({refused[0][0]} is not writable ({refused[0][1]}))" if refused else ""
         try:
-            return _cached(path, pf, tokenizer, cache, verbose, note)
+            return _cached(path, source, tokenizer, cache, verbose, note)
         except OSError as e:
             if e.errno not in _CANNOT_WRITE:
                 raise
@@ -368,13 +473,13 @@ def _load_tokens(path: Path, pf, tokenizer: Tokenizer, verbose: bool, cache_dir,
     if verbose:
         _log(f"cannot write a token cache in {tried}; tokenizing {path} in memory, again at every start: set "
              "PYRECOVER_CACHE_DIR to a writable folder to keep the tokens")
-    tokens = _tokens_in_memory(pf, tokenizer)
+    tokens = _tokens_in_memory(source, tokenizer)
     if len(tokens) == 0:
-        raise _no_tokens_error(path)
+        raise _no_tokens_error(path, source.column)
     return tokens
 
 
-def _cached(path: Path, pf, tokenizer: Tokenizer, cache: Path, verbose: bool, note: str) -> np.ndarray:
+def _cached(path: Path, source, tokenizer: Tokenizer, cache: Path, verbose: bool, note: str) -> np.ndarray:
     """The verified cache at ``cache``, (re)built first if it is missing or fails its check. OSError: the folder
     cannot take it."""
     cache.parent.mkdir(parents=True, exist_ok=True)  # the per-user cache folder, on first use
@@ -389,7 +494,7 @@ def _cached(path: Path, pf, tokenizer: Tokenizer, cache: Path, verbose: bool, no
             if tokens is None:
                 if why != "missing" and verbose:
                     _log(f"token cache {cache} is corrupt ({why}); rebuilding it")
-                _build_cache(path, pf, tokenizer, cache, verbose, note)
+                _build_cache(path, source, tokenizer, cache, verbose, note)
                 tokens, why = _open_cache(cache, tokenizer)
                 if tokens is None:
                     raise DataError(f"token cache {cache} failed its check right after it was written ({why}); "
@@ -443,11 +548,13 @@ class TokenWindows:
 
 
 def load_token_windows(parquet_path: str | os.PathLike, tokenizer: Tokenizer, seq_len: int,
-                       verbose: bool = True, cache_dir: str | os.PathLike | None = None) -> TokenWindows:
-    """Tokenize (or load the cached tokens of) ``parquet_path`` and cut the stream into windows of seq_len+1."""
+                       verbose: bool = True, cache_dir: str | os.PathLike | None = None,
+                       column: str = DEFAULT_COLUMN) -> TokenWindows:
+    """Tokenize (or load the cached tokens of) the data file's ``column`` and cut the stream into windows of
+    seq_len+1."""
     if int(seq_len) < 1:
         raise DataError(f"sequence length {seq_len} is invalid; use a positive --sequence-length")
-    tokens = load_tokens(parquet_path, tokenizer, verbose=verbose, cache_dir=cache_dir)
+    tokens = load_tokens(parquet_path, tokenizer, verbose=verbose, cache_dir=cache_dir, column=column)
     windows = TokenWindows(tokens, seq_len, source=str(parquet_path))
     if len(windows) < 1:
         raise DataError(f"sequence length {seq_len} too large for dataset with {len(tokens)} tokens "
@@ -456,10 +563,16 @@ def load_token_windows(parquet_path: str | os.PathLike, tokenizer: Tokenizer, se
     return windows
 
 
-def hold_out(windows, n: int):
-    """Split off the last ``n`` windows as an evaluation set that training never sees (not even the one token a training
-    window's target would share with it). Returns (training windows, evaluation windows or None for n == 0). Sharded
-    data: the windows come off the last shards (a whole shard, then part of the one before)."""
+def hold_out(windows, n: int, fraction: float | None = None):
+    """Split off the last ``n`` windows -- or, given ``fraction`` (--val-fraction), the last round(fraction x windows)
+    -- as an evaluation set that training never sees (not even the one token a training window's target would share
+    with it). Returns (training windows, evaluation windows or None for n == 0). Sharded data: the windows come off
+    the last shards (a whole shard, then part of the one before)."""
+    if fraction is not None:
+        n = round(fraction * len(windows))
+        if not 1 <= n < len(windows):
+            raise DataError(f"--val-fraction {fraction:g} of the {len(windows)} windows of {windows.source} holds out "
+                            f"{n}; give a fraction that leaves at least one window on each side, or --val-dataset")
     n = int(n)
     if n <= 0:
         return windows, None
@@ -485,6 +598,24 @@ def hold_out(windows, n: int):
     return train, TokenWindows(windows.tokens[cut:], windows.seq_len, source=f"{windows.source} (held out)")
 
 
+def load_val_windows(spec: str, tokenizer: Tokenizer, seq_len: int, *, cache_dir: str | os.PathLike | None = None,
+                     rank: int = 0, world_size: int = 1, exchange=None, column: str = DEFAULT_COLUMN):
+    """--val-dataset's windows: the same forms as --dataset (a file, a folder of shards, a quoted glob), the same
+    tokenizer, sequence length, text column and token caches. Never pinned to a checkpoint's shards: it does not change
+    training."""
+    try:
+        if not is_sharded(spec):
+            if not Path(spec).exists():
+                raise DataError(f"--val-dataset {spec} does not exist; give a parquet file, a folder of them or a "
+                                "quoted glob")
+            return load_token_windows(spec, tokenizer, seq_len, cache_dir=cache_dir, column=column)
+        return load_sharded_windows(spec, tokenizer, seq_len, cache_dir=cache_dir, rank=rank, world_size=world_size,
+                                    exchange=exchange, column=column)
+    except DataError as e:  # the loaders' lines, about --val-dataset
+        line = str(e).replace("--dataset", "--val-dataset")
+        raise DataError(line if "--val-dataset" in line else f"--val-dataset {spec}: {line}") from None
+
+
 def token_parts(windows) -> list[np.ndarray]:
     """The token arrays ``windows`` reads, in order (one per shard), e.g. for ``fingerprint``."""
     if windows is None:
@@ -494,12 +625,15 @@ def token_parts(windows) -> list[np.ndarray]:
     return [windows.tokens]
 
 
-def fingerprint(*parts: np.ndarray, budget: int = 256 << 20) -> str:
+def fingerprint(*parts: np.ndarray, budget: int = 256 << 20, column: str = DEFAULT_COLUMN) -> str:
     """xxh3 of the token stream (tokenizer and data in one value); ``parts`` in order, e.g. the training and the
     held-out tokens. A stream over ``budget`` bytes is hashed at evenly spaced 1 MiB chunks plus its length, so a start
-    never reads a whole multi-GB corpus."""
+    never reads a whole multi-GB corpus. Another ``column`` than ``text`` is hashed in too: the same tokens from
+    another column are still other data (the ``text`` column's value is the one it had before there was a choice)."""
     total = sum(p.nbytes for p in parts)
     h = xxhash.xxh3_64(str(sum(len(p) for p in parts)).encode())
+    if column != DEFAULT_COLUMN:
+        h.update(f"column={column}".encode())
     for p in parts:
         if total <= budget:
             step = (1 << 24) // p.itemsize  # 16 MiB at a time: a memory-mapped stream is never copied whole
@@ -530,22 +664,32 @@ def is_sharded(spec: str | os.PathLike) -> bool:
 
 
 def list_shards(spec: str | os.PathLike) -> tuple[Path, list[Path]]:
-    """(base folder, shard paths sorted by their name under it) of a folder (its ``*.parquet``) or a glob."""
+    """(base folder, shard paths sorted by their name under it) of a folder (its ``*.parquet``, or its ``*.jsonl`` and
+    ``*.jsonl.gz``) or a glob. One format a folder: parquet beside JSON Lines is most likely one corpus in both forms
+    (a conversion), which would train on every document twice."""
     spec = str(spec)
     if glob.has_magic(spec):
         base = Path(spec)
         while glob.has_magic(str(base)):
             base = base.parent
-        paths = [Path(p) for p in glob.glob(spec) if Path(p).is_file()]
+        # not the token caches beside the shards, which a pattern like 'data/part-*' matches too
+        paths = [Path(p) for p in glob.glob(spec) if Path(p).is_file() and not p.endswith(_CACHE_SUFFIXES)]
         if not paths:
             raise DataError(f"--dataset {spec} matches no file; check the pattern (quote it so the shell leaves it "
                             "alone)")
     else:
         base = Path(spec)
-        paths = [p for p in base.glob("*.parquet") if p.is_file()]
+        paths = [p for suffix in DATA_SUFFIXES for p in base.glob(f"*{suffix}") if p.is_file()]
         if not paths:
-            raise DataError(f"data folder {base} has no *.parquet files; put the parquet shards there or pass one file")
-    return base, sorted(paths, key=lambda p: shard_name(base, p))
+            raise DataError(f"data folder {base} has no *.parquet, *.jsonl or *.jsonl.gz files; put the shards there "
+                            "or pass one file")
+    paths = sorted(paths, key=lambda p: shard_name(base, p))
+    jsonl = [p for p in paths if is_jsonl(p)]
+    if jsonl and len(jsonl) < len(paths):
+        other = next(p for p in paths if not is_jsonl(p))
+        raise DataError(f"--dataset {spec} mixes JSON Lines and parquet shards ({shard_name(base, jsonl[0])}, "
+                        f"{shard_name(base, other)}); keep one format per folder, or pass a glob that matches one")
+    return base, paths
 
 
 def shard_name(base: Path, path: Path) -> str:
@@ -579,18 +723,17 @@ def pin_shards(spec: str, base: Path, paths: list[Path], recorded: list) -> tupl
     return pinned, note
 
 
-def _check_shard(path: Path) -> None:
-    """What can be seen without tokenizing (the same on every rank): readable parquet, a text column, rows."""
-    pf = _open_parquet(path)
-    if pf.metadata.num_rows == 0:
-        raise _no_tokens_error(path)
+def _check_shard(path: Path, column: str = DEFAULT_COLUMN) -> None:
+    """What can be seen without tokenizing (the same on every rank): a readable file, the text column, rows."""
+    if not _open_data(path, column).has_rows():
+        raise _no_tokens_error(path, column)
 
 
 def prepare_shards(paths: Sequence[Path], tokenizer: Tokenizer, cache_dir: str | os.PathLike | None = None,
-                   rank: int = 0, world_size: int = 1, verbose: bool = True) -> None:
+                   rank: int = 0, world_size: int = 1, verbose: bool = True, column: str = DEFAULT_COLUMN) -> None:
     """Build the token caches of shards ``rank, rank + world_size, ...`` (an existing valid cache is kept)."""
     for i in range(int(rank), len(paths), int(world_size)):
-        load_tokens(paths[i], tokenizer, verbose=verbose, cache_dir=cache_dir, allow_memory=False)
+        load_tokens(paths[i], tokenizer, verbose=verbose, cache_dir=cache_dir, allow_memory=False, column=column)
 
 
 _worker_tokenizer: Tokenizer | None = None
@@ -602,11 +745,12 @@ def _worker_start(tokenizer_name: str, threads: int) -> None:
     _worker_tokenizer = load_tokenizer(tokenizer_name)
 
 
-def _worker_prepare(job: tuple[str, str | None]) -> tuple[str, int, str]:
+def _worker_prepare(job: tuple[str, str | None, str]) -> tuple[str, int, str]:
     """(shard, tokens, "") or (shard, 0, error): a DataError crosses the process boundary as its message."""
-    path, cache_dir = job
+    path, cache_dir, column = job
     try:
-        tokens = load_tokens(path, _worker_tokenizer, verbose=False, cache_dir=cache_dir, allow_memory=False)
+        tokens = load_tokens(path, _worker_tokenizer, verbose=False, cache_dir=cache_dir, allow_memory=False,
+                             column=column)
     except DataError as e:
         return path, 0, str(e)
     except OSError as e:
@@ -615,13 +759,13 @@ def _worker_prepare(job: tuple[str, str | None]) -> tuple[str, int, str]:
 
 
 def prepare_with_workers(paths: Sequence[Path], tokenizer_name: str, workers: int,
-                         cache_dir: str | os.PathLike | None = None) -> int:
+                         cache_dir: str | os.PathLike | None = None, column: str = DEFAULT_COLUMN) -> int:
     """Build every shard's token cache with ``workers`` local processes (worker_context), each using its share of the
     CPUs. Returns the total number of tokens; the first error: DataError."""
     workers = max(1, min(int(workers), len(paths)))
     threads = max(1, num_threads() // workers)
     # largest first: the workers finish together even when the shards' sizes differ a lot
-    jobs = [(str(p), None if cache_dir is None else str(cache_dir))
+    jobs = [(str(p), None if cache_dir is None else str(cache_dir), column)
             for p in sorted(paths, key=lambda p: p.stat().st_size, reverse=True)]
     if workers == 1:
         _worker_start(tokenizer_name, threads)
@@ -689,8 +833,9 @@ class ShardedWindows:
 
 def load_sharded_windows(spec: str | os.PathLike, tokenizer: Tokenizer, seq_len: int, *,
                          cache_dir: str | os.PathLike | None = None, rank: int = 0, world_size: int = 1,
-                         exchange=None, recorded: list | None = None, verbose: bool = True) -> ShardedWindows:
-    """The windows of every shard of a folder or glob, their caches built by the ranks together.
+                         exchange=None, recorded: list | None = None, verbose: bool = True,
+                         column: str = DEFAULT_COLUMN) -> ShardedWindows:
+    """The windows of every shard of a folder or glob (their ``column``), their caches built by the ranks together.
 
     Every rank checks every shard's header (no collective before a refusal every rank makes alike), builds the caches
     of its own shards (i % world_size == rank), then ``exchange(error or None)`` -- a barrier that returns the first
@@ -705,10 +850,10 @@ def load_sharded_windows(spec: str | os.PathLike, tokenizer: Tokenizer, seq_len:
     if note and verbose and rank == 0:
         _log(note)
     for p in paths:
-        _check_shard(p)
+        _check_shard(p, column)
     error = None
     try:
-        prepare_shards(paths, tokenizer, cache_dir, rank, world_size, verbose)
+        prepare_shards(paths, tokenizer, cache_dir, rank, world_size, verbose, column)
     except DataError as e:
         error = str(e)
     except OSError as e:
@@ -717,8 +862,8 @@ def load_sharded_windows(spec: str | os.PathLike, tokenizer: Tokenizer, seq_len:
         error = exchange(error)
     if error:
         raise DataError(error)
-    parts = [TokenWindows(load_tokens(p, tokenizer, verbose=verbose, cache_dir=cache_dir, allow_memory=False),
-                          seq_len, source=str(p)) for p in paths]
+    parts = [TokenWindows(load_tokens(p, tokenizer, verbose=verbose, cache_dir=cache_dir, allow_memory=False,
+                                      column=column), seq_len, source=str(p)) for p in paths]
     windows = ShardedWindows(parts, seq_len, str(spec), shard_records(base, paths))
     if len(windows) < 1:
         raise DataError(f"sequence length {seq_len} too large for every shard of {spec} (tokenizer {tokenizer.name}): "
@@ -942,20 +1087,20 @@ def _cmd_prepare(args) -> None:
     if is_sharded(args.data):
         base, paths = list_shards(args.data)
         for p in paths:
-            _check_shard(p)
+            _check_shard(p, args.column)
         tok = load_tokenizer(args.tokenizer)
         t0 = time.perf_counter()
-        ntok = prepare_with_workers(paths, args.tokenizer, args.workers, args.cache_dir)
+        ntok = prepare_with_workers(paths, args.tokenizer, args.workers, args.cache_dir, args.column)
         dt = time.perf_counter() - t0
-        windows = sum(max(0, (len(load_tokens(p, tok, verbose=False, cache_dir=args.cache_dir, allow_memory=False))
-                              - 1) // args.seq_len) for p in paths)
+        windows = sum(max(0, (len(load_tokens(p, tok, verbose=False, cache_dir=args.cache_dir, allow_memory=False,
+                                              column=args.column)) - 1) // args.seq_len) for p in paths)
         print(f"{args.data}: {len(paths)} shards, {ntok:,} tokens ({tok.name}, vocab {tok.vocab_size}), {windows:,} "
               f"windows of {args.seq_len + 1} tokens; caches ready in {dt:.2f}s with {args.workers} worker(s) "
               f"({ntok / max(dt, 1e-9):,.0f} tokens/s)")
         return
     tok = load_tokenizer(args.tokenizer)
     t0 = time.perf_counter()
-    tokens = load_tokens(args.data, tok, cache_dir=args.cache_dir)
+    tokens = load_tokens(args.data, tok, cache_dir=args.cache_dir, column=args.column)
     dt = time.perf_counter() - t0
     windows = TokenWindows(tokens, args.seq_len, source=str(args.data))
     where = tokens.filename if isinstance(tokens, np.memmap) else "none (tokenized in memory)"
@@ -968,8 +1113,7 @@ def _cmd_bench(args) -> None:
     tok = load_tokenizer(args.tokenizer)
     load_s = time.perf_counter() - t0
     if args.data:
-        pf = _open_parquet(Path(args.data))
-        texts = [t for chunk in _iter_text_chunks(pf) for t in chunk]
+        texts = [t for chunk in _iter_text_chunks(_open_data(Path(args.data), args.column)) for t in chunk]
         what = str(args.data)
     else:
         texts = [t for _, t in default_corpus_documents()]
@@ -1004,8 +1148,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("prepare", help="tokenize a parquet file (or a folder / glob of shards) once, cache the tokens",
                        description="Build (or verify) the token caches used by train.py, e.g. before submitting a job.")
     p.add_argument("--dataset", "--data", dest="data", metavar="PATH", default="data/train_data.parquet",
-                   help="parquet file with a 'text' column, a folder of *.parquet shards, or a quoted glob "
+                   help="parquet or JSON Lines (.jsonl, .jsonl.gz) file, a folder of such shards, or a quoted glob "
                         "(default: %(default)s)")
+    p.add_argument("--text-column", dest="column", metavar="NAME", default=DEFAULT_COLUMN,
+                   help="the column (parquet) or key (JSON Lines) holding the documents (default: %(default)s)")
     p.add_argument("--workers", type=int, metavar="N", default=1,
                    help="local processes tokenizing shards in parallel (default: %(default)s)")
     p.add_argument("--data-cache-dir", dest="cache_dir", metavar="DIR", default=None,
@@ -1020,7 +1166,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", "--tokenizer-name-or-path", dest="tokenizer", metavar="NAME",
                    default=DEFAULT_TOKENIZER, help=tok_help)
     p.add_argument("--dataset", "--data", dest="data", metavar="PATH", default=None,
-                   help="parquet file to use instead of the default corpus")
+                   help="parquet or JSON Lines file to use instead of the default corpus")
+    p.add_argument("--text-column", dest="column", metavar="NAME", default=DEFAULT_COLUMN,
+                   help="the column (parquet) or key (JSON Lines) holding the documents (default: %(default)s)")
     p.add_argument("--repeat", type=int, metavar="N", default=1,
                    help="runs; the fastest is reported (default: %(default)s)")
     p.set_defaults(func=_cmd_bench)

@@ -3,12 +3,15 @@
 Launchers: `torchrun` (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT) or `srun` directly (SLURM_PROCID/
 SLURM_NTASKS/SLURM_LOCALID, master = first host of SLURM_JOB_NODELIST). CUDA -> NCCL, one GPU per local rank
 (cuda_device_index: the local rank's among all of the node's GPUs, or the only one a task bound to one GPU sees);
-otherwise CPU -> gloo. A rank started by torchrun ends when its torchrun dies (follow_launcher).
+otherwise CPU -> gloo. A rank started by torchrun ends when its torchrun dies (follow_launcher). --device and
+--model-dtype auto are resolved here too (choose_device, resolve_dtype): a SLURM job given GPUs that torch cannot use
+is refused, not trained on CPU.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import re
 import sys
@@ -98,9 +101,73 @@ def cuda_device_index(local_rank: int, local_world_size: int, visible: int, cuda
         f"node's GPUs (one rank per GPU), or start as many ranks per node as there are GPUs")
 
 
-def init(distributed: bool, timeout_s: float = 600.0) -> DistEnv:
-    """Initialise the process group when asked; pick the device. Raises LaunchError with one clear line."""
-    cuda = torch.cuda.is_available()
+DEVICES = ("auto", "cuda", "cpu")  # --device
+_NO_GPUS = ("", "-1", "none", "nodevfiles")  # CUDA_VISIBLE_DEVICES values that hide every GPU (SLURM: NoDevFiles)
+
+
+def gpus_allocated(environ=os.environ) -> str | None:
+    """The variable that shows this SLURM job was given GPUs on this node (``NAME=value``), or None: not a SLURM job, or
+    no GPUs. SLURM sets SLURM_GPUS_ON_NODE for --gpus*/--gres=gpu jobs, and CUDA_VISIBLE_DEVICES to the GPUs bound."""
+    if "SLURM_JOB_ID" not in environ and "SLURM_JOBID" not in environ:
+        return None  # outside SLURM CUDA_VISIBLE_DEVICES is often exported by habit; it allocates nothing
+    gpus = environ.get("SLURM_GPUS_ON_NODE", "")
+    if gpus.isdigit() and int(gpus) > 0:
+        return f"SLURM_GPUS_ON_NODE={gpus}"
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip().lower() not in _NO_GPUS:
+        return f"CUDA_VISIBLE_DEVICES={visible}"
+    return None
+
+
+def cuda_unusable() -> str:
+    """Why torch.cuda.is_available() is False, in words for the user: a CPU-only torch, or no GPU/driver it can use."""
+    if torch.version.cuda is None:
+        return (f"this torch ({torch.__version__}) is a CPU-only build (torch.version.cuda is None): install a CUDA "
+                "build of torch in the job's environment (PYTHON / --setup)")
+    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU: check `nvidia-smi` on the "
+            "node (driver missing or older than this CUDA?)")
+
+
+def choose_device(requested: str = "auto", environ=os.environ, *, cuda: bool | None = None) -> str:
+    """--device -> "cuda" or "cpu"; the only place that decides it. auto: CUDA when torch can use it, else CPU -- except
+    in a SLURM job that was given GPUs, where training on CPU is almost surely a broken environment (a CPU-only torch,
+    the wrong venv): LaunchError, one line, instead of hours of slow training. cpu: always. ``cuda``: whether torch can
+    use CUDA here (default: torch.cuda.is_available())."""
+    if requested not in DEVICES:
+        raise LaunchError(f"--device {requested!r}: give one of {', '.join(DEVICES)}")
+    if requested == "cpu":
+        return "cpu"
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    if cuda:
+        return "cuda"
+    if requested == "cuda":
+        raise LaunchError(f"--device cuda, but torch.cuda.is_available() is False: {cuda_unusable()}; or pass "
+                          "--device cpu (or auto) to train on CPU")
+    shown = gpus_allocated(environ)
+    if shown:
+        raise LaunchError(f"this SLURM job has GPUs ({shown}), but torch.cuda.is_available() is False: "
+                          f"{cuda_unusable()}; pass --device cpu to train on CPU anyway")
+    return "cpu"
+
+
+def resolve_dtype(name: str, device_type: str, bf16_ok: bool | None = None) -> str:
+    """--model-dtype auto -> the concrete dtype for ``device_type``: bf16 (autocast, fp32 master weights) on a GPU that
+    has it, else fp32. Other names unchanged. ``bf16_ok``: whether the GPU supports bf16 (default: ask torch; a GPU not
+    on this machine, e.g. --check on a login node: assumed)."""
+    if name != "auto":
+        return name
+    if device_type != "cuda":
+        return "fp32"
+    if bf16_ok is None:
+        bf16_ok = torch.cuda.is_bf16_supported()
+    return "bf16" if bf16_ok else "fp32"  # e.g. V100: no bf16; fp16 would need loss scaling, fp32 is the safe choice
+
+
+def init(distributed: bool, timeout_s: float = 600.0, device: str = "auto") -> DistEnv:
+    """Initialise the process group when asked; pick the device (choose_device). Raises LaunchError with one clear
+    line."""
+    cuda = choose_device(device) == "cuda"
     if not distributed:
         return DistEnv(device=torch.device("cuda", 0) if cuda else torch.device("cpu"))
     launch = _launcher_env()
@@ -218,6 +285,7 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self.baseline = torch.cuda.memory_allocated(self.device)
+            self._peak = self.baseline  # the highest peak seen before the last reset (``interval`` resets it)
             return
         try:
             with open("/proc/self/clear_refs", "w") as f:
@@ -225,20 +293,47 @@ class PeakMemory:
         except OSError:
             self.exact = False
         self.baseline = max(0, _proc_kib("/proc/self/status", ("RssAnon",)).get("RssAnon", 0) - held)
+        self._peak = self.baseline
 
     def peak_growth(self) -> int:
         """Bytes: the peak since the baseline minus the baseline (0 if nothing grew)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            return max(0, torch.cuda.max_memory_allocated(self.device) - self.baseline)
+            return max(0, max(self._peak, torch.cuda.max_memory_allocated(self.device)) - self.baseline)
+        anon_peak, _ = self._host_peaks()
+        return max(0, max(self._peak, anon_peak) - self.baseline)
+
+    def _host_peaks(self) -> tuple[int, int]:
+        """(anonymous, whole) resident-set peak in bytes since the last reset of VmHWM."""
         status = _proc_kib("/proc/self/status", ("VmHWM", "RssFile", "RssShmem"))
         if "VmHWM" not in status:
             import resource
 
             status["VmHWM"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
             self.exact = False
-        anon_peak = status["VmHWM"] - status.get("RssFile", 0) - status.get("RssShmem", 0)
-        return max(0, anon_peak - self.baseline)
+        return status["VmHWM"] - status.get("RssFile", 0) - status.get("RssShmem", 0), status["VmHWM"]
+
+    def interval(self) -> dict[str, int]:
+        """The peaks since the last call (bytes), then a reset, for the per-step log (metrics.py); ``peak_growth``
+        still sees the run's peak. CUDA: the caching allocator's allocated and reserved peaks (host-side counters:
+        no synchronisation). CPU: the process's resident set peak (VmHWM: with the memory-mapped token pages it
+        touched), reset through /proc/self/clear_refs; where that cannot be reset (``exact`` False) it is the
+        process's lifetime peak."""
+        if self.device.type == "cuda":
+            allocated = torch.cuda.max_memory_allocated(self.device)
+            reserved = torch.cuda.max_memory_reserved(self.device)
+            self._peak = max(self._peak, allocated)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return {"peak_allocated": allocated, "peak_reserved": reserved}
+        anon, whole = self._host_peaks()
+        self._peak = max(self._peak, anon)
+        if self.exact:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                self.exact = False
+        return {"peak_rss": whole}
 
     def describe(self) -> str:
         if self.device.type == "cuda":
@@ -246,9 +341,34 @@ class PeakMemory:
         return "peak anonymous RSS growth" + ("" if self.exact else " (upper bound: VmHWM could not be reset)")
 
 
+def checkpoint_activations(model: torch.nn.Module, mode: str, every: int = 2) -> torch.nn.Module:
+    """Activation checkpointing as a transform of the model (before parallelize): each block model.recomputed_layers
+    names keeps only its input in the forward pass and runs its forward again in backward (torch.utils.checkpoint,
+    non-reentrant). Only the block's ``forward`` attribute changes -- no wrapper module -- so parameter names, and with
+    them checkpoints, are the same for every mode. FSDP2's per-block hooks stay around the recomputed forward: the
+    block's all-gather in backward (its pre-backward hook) happens before the recompute needs the weights. The recompute
+    restores the RNG state the forward saw and runs the same kernels on the same inputs: on CPU gradients are bitwise
+    those of mode "none" (tests/test_activation_checkpointing.py), so the mode may change on resume."""
+    from model import recomputed_layers
+
+    for i in recomputed_layers(len(model.layers), mode, every):
+        block = model.layers[i]
+        block.forward = functools.partial(_recomputed, block.forward)  # the class's forward, bound to the block
+    return model
+
+
+def _recomputed(forward, *args, **kwargs):
+    if not torch.is_grad_enabled():  # evaluation: nothing is saved for backward, nothing to recompute
+        return forward(*args, **kwargs)
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
 def parallelize(model: torch.nn.Module, env: DistEnv, parallel: str) -> torch.nn.Module:
     """Data parallelism as a transform of the model: DDP (full replicas), or FSDP2 with every transformer block one
-    all-gather / reduce-scatter unit, then the root (embeddings, norm, output). One process: the model unchanged."""
+    all-gather / reduce-scatter unit, then the root (embeddings, norm, output). One process: the model unchanged.
+    Activation checkpointing (checkpoint_activations) is applied first, so FSDP's unit is the recomputed block."""
     if not env.distributed:
         return model
     if parallel == "fsdp":
@@ -277,6 +397,16 @@ def all_reduce_max(value: float, env: DistEnv) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64, device=env.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
+
+
+def sum_over_ranks(values: list[float], env: DistEnv) -> list[float]:
+    """The sums of a few scalars over ranks, in float64 (e.g. an evaluation's loss sum and window count: the mean is
+    exact whatever share each rank had). Identical on every rank."""
+    if not env.distributed:
+        return list(values)
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=env.device)
+    dist.all_reduce(t)
+    return t.tolist()
 
 
 def first_error(error: str | None, env: DistEnv) -> str | None:

@@ -4,21 +4,33 @@ The HPC practice this follows: document every checkpoint (architecture, data, hy
 loading one, make a prediction and check it -- checksums catch corrupt bytes, not a wrong load (two tensors of the same
 shape swapped pass every checksum).
 
-    held out   the last --eval-windows windows of the data (dataset.hold_out): training never sees them
-    probe      the first EVAL_BATCH of them: its loss at save time goes into the card together with its tokens, so
-               `python evaluation.py validate` and --validate-on-resume recompute it from the checkpoint alone
-    eval loss  the mean loss over every held-out window: what --keep-best ranks checkpoints by
+    held out   the last --eval-windows windows of the data (dataset.hold_out), or the last --val-fraction of them:
+               training never sees them
+    eval set   what an evaluation reads: --val-dataset's windows when given (a separate set: training is unchanged by
+               it), else the held-out windows
+    probe      the first EVAL_BATCH windows of the eval set: its loss at save time goes into the card together with its
+               tokens, so `python evaluation.py validate` and --validate-on-resume recompute it from the checkpoint
+    val loss   the mean loss over the first --eval-tokens' worth of windows of the eval set (the same windows, in the
+               same order, every time: curves are comparable), at every --eval-every step and every periodic save;
+               the card's eval_loss is it, and it is what --keep-best ranks checkpoints by
+
+Every rank evaluates its share of the windows (batch b on rank b % world size) and the sums are all-reduced, so the
+value is the same on every rank and exact whatever the split. Nothing draws RNG or changes a weight: a run with
+evaluations trains bitwise as the run without.
 
 The card lives in the manifest (``meta.card``), so the manifest's checksum covers it.
 
     python evaluation.py validate PATH [--device cpu]
         recompute the probe loss of one step folder or of every committed one under PATH from the weights alone and
         compare it with the card's (exit 1 if a checkpoint does not predict as saved); PATH may be s3://bucket/prefix
+    python evaluation.py sample CKPT --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S]
+        continue TEXT with the checkpoint's model (sample.py): any backend and world size, no export needed
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import subprocess
 import sys
@@ -28,7 +40,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from checkpoint import knobs
+
 EVAL_BATCH = 2  # windows per evaluation forward; the probe is the first batch
+DEFAULT_EVAL_TOKENS = 1 << 20  # --eval-tokens unset: an evaluation reads at most this many tokens of the eval set
 # Across devices, dtypes or rank layouts kernels differ, so the recomputed probe loss may differ in its last bits:
 # relative tolerance per training dtype. On the same layout the loss must be bitwise the recorded one.
 TOLERANCE = {"fp64": 1e-9, "fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}
@@ -49,13 +64,68 @@ def batch_loss(model: torch.nn.Module, windows: torch.Tensor, device: torch.devi
         model.train(was_training)
 
 
-def evaluate(model: torch.nn.Module, held_out, device: torch.device, autocast) -> dict:
-    """The probe loss (first batch) and the mean loss over all held-out windows. No RNG is drawn and no weight
-    changes, so a run with evaluation is bitwise the run without."""
-    n = len(held_out)
-    losses = [(batch_loss(model, held_out.batch(range(i, min(i + EVAL_BATCH, n))), device, autocast),
-               min(EVAL_BATCH, n - i)) for i in range(0, n, EVAL_BATCH)]
-    return {"probe_loss": losses[0][0], "eval_loss": sum(loss * k for loss, k in losses) / n, "eval_windows": n}
+def eval_window_count(eval_tokens: int | None, seq_len: int, available: int) -> int:
+    """How many windows (the first ones) an evaluation reads: --eval-tokens' worth, rounded down to whole windows and
+    at least one; 0 means all; unset, at most DEFAULT_EVAL_TOKENS' worth. More than ``available`` only when asked
+    for explicitly (the caller refuses that)."""
+    if eval_tokens == 0:
+        return available
+    wanted = max(1, (eval_tokens or DEFAULT_EVAL_TOKENS) // seq_len)
+    return wanted if eval_tokens else min(wanted, available)
+
+
+def evaluate(model: torch.nn.Module, windows, device: torch.device, autocast, *, count: int | None = None,
+             rank: int = 0, world_size: int = 1, lockstep: bool = False, reduce=None) -> dict:
+    """The mean loss over the first ``count`` windows (default all) in batches of EVAL_BATCH, batch b on rank
+    b % world_size; ``reduce(values) -> sums over ranks`` (distributed.sum_over_ranks) makes the (loss x windows) sum
+    and the probe loss (the first batch's, rank 0's) every rank's. ``lockstep`` (FSDP: each forward
+    gathers the shards, a collective): every rank runs as many forwards, one out of batches repeats its first and
+    counts it not. No RNG is drawn and no weight changes, so a run with evaluation is bitwise the run without."""
+    n = len(windows) if count is None else count
+    batches = [range(i, min(i + EVAL_BATCH, n)) for i in range(0, n, EVAL_BATCH)]
+    mine = batches[rank::world_size]
+    rounds = -(-len(batches) // world_size) if lockstep else len(mine)
+    pause = knobs.eval_sleep()  # test-only: a kill lands inside this evaluation
+    total, probe = 0.0, 0.0
+    for j in range(rounds):
+        batch = mine[j] if j < len(mine) else batches[0]
+        loss = batch_loss(model, windows.batch(batch), device, autocast)
+        if j < len(mine):
+            total += loss * len(batch)
+            if rank == 0 and j == 0:
+                probe = loss
+        if pause is not None and j == 0:
+            time.sleep(pause)
+    if reduce is not None:  # the other ranks add 0.0 to rank 0's probe loss: exactly it, everywhere
+        total, probe = reduce([total, probe])
+    mean = total / n
+    return {"probe_loss": probe, "eval_loss": mean, "eval_windows": n, "val_loss": mean, "val_ppl": perplexity(mean),
+            "val_tokens": n * windows.seq_len}
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss); a loss past what a float holds gives infinity, not an error."""
+    return math.exp(loss) if loss < 709.0 else float("inf")
+
+
+class Evaluator:
+    """The run's evaluations of the eval set: at every --eval-every step and at every periodic save, at most once per
+    step (a save at an --eval-every step reuses that step's). ``report(step, result)`` (rank 0's Metrics.note_eval):
+    the log line, the val CSV row, the trackers. Every rank calls it at the same steps (its forwards and the
+    all-reduce are collective ones)."""
+
+    def __init__(self, evaluate_at, every: int, report):
+        self.evaluate_at, self.every, self.report = evaluate_at, every, report
+        self._last: tuple[int, dict] | None = None
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def __call__(self, step: int) -> dict:
+        if self._last is None or self._last[0] != step:
+            self._last = (step, self.evaluate_at())
+            self.report(step, self._last[1])
+        return self._last[1]
 
 
 def git_commit(where: Path = Path(__file__).resolve().parent) -> str | None:
@@ -92,7 +162,11 @@ class CardMaker:
     def __init__(self, args: argparse.Namespace, env, config, num_params: int, tokenizer_name: str,
                  fingerprint: str | None,
                  probe: torch.Tensor | None, started_unix: float, version: str, resolved_flags: dict,
-                 shards: list | None = None):
+                 shards: list | None = None, max_positions: int | None = None):
+        """``max_positions``: the max_position_embeddings of the config.json the run's shape came from, which an
+        export keeps (hf.py; None: a preset, whose positions are --sequence-length)."""
+        import schedules
+
         self.started = started_unix
         self.static = {
             "model": {"preset": args.model, "params": num_params, "config": dict(vars(config))},
@@ -100,6 +174,7 @@ class CardMaker:
                      "tokenizer": tokenizer_name, "sequence_length": args.sequence_length,
                      "eval_windows": args.eval_windows},
             "hyperparameters": {"learning_rate": args.learning_rate, "lr_warmup_steps": args.lr_warmup_steps,
+                                "lr_schedule": schedules.described(args),
                                 "training_steps": args.training_steps, "batch_size_per_rank": args.batch_size,
                                 "global_batch_tokens": args.batch_size * args.gradient_accumulation_steps
                                 * args.sequence_length * env.world_size,
@@ -118,8 +193,16 @@ class CardMaker:
         self.static["flags"] = resolved_flags
         if shards is not None:  # a folder or glob: the shards a resume keeps to (dataset.pin_shards)
             self.static["data"]["shards"] = shards
+        # The validation set, if any: not in the fingerprint when separate (--val-dataset changes no training, so a
+        # resume may add or change it); --val-fraction's windows are the data's, in it, and that flag cannot change.
+        if getattr(args, "val_dataset", None) is not None:
+            self.static["data"]["val_dataset"] = str(Path(args.val_dataset).resolve())
+        if getattr(args, "val_fraction", None) is not None:
+            self.static["data"]["val_fraction"] = args.val_fraction
         if args.checkpoint_note:
             self.static["note"] = args.checkpoint_note
+        if max_positions is not None:
+            self.static["model"]["max_position_embeddings"] = max_positions
         self.probe_tokens = probe.tolist() if probe is not None else None
 
     def __call__(self, *, step: int, tokens_seen: int, losses: list[float], lr: float | None,
@@ -195,7 +278,8 @@ def validate_checkpoint(step_dir: Path, manifest: dict, device: str = "cpu") -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python evaluation.py validate PATH [--device cpu]`: each committed checkpoint, OK or FAILED."""
+    """`python evaluation.py validate PATH [--device cpu]`: each committed checkpoint, OK or FAILED. `python
+    evaluation.py sample CKPT --prompt TEXT`: text from the checkpoint (sample.py)."""
     from checkpoint import setup_logging, storage
     from checkpoint.errors import CheckpointError
     from checkpoint.reader import check_each
@@ -206,9 +290,14 @@ def main(argv: list[str] | None = None) -> int:
     val = sub.add_parser("validate", help="recompute each checkpoint's probe loss and compare it with its card")
     val.add_argument("path", type=storage.as_path, help="step folder, or experiment folder (each committed one)")
     val.add_argument("--device", default="cpu", help="where to recompute (default cpu)")
+    import sample  # `sample`: text from a checkpoint (sample.py)
+
+    sample.add_parser(sub)
     setup_logging()
     try:
         args = p.parse_args(argv)  # inside: an s3:// path without a bucket is a CheckpointError too
+        if args.cmd == "sample":
+            return sample.run(args)
         if not args.path.exists():
             raise CheckpointError(f"{args.path} does not exist")
 

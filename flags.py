@@ -25,7 +25,9 @@ from checkpoint import policy as stop_policy
 from checkpoint.backends import BACKENDS
 from checkpoint.walltime import parse_walltime
 from dataset import DEFAULT_TOKENIZER
-from model import PRESETS
+from tokenizer import folder_tokenizer
+from model import ACTIVATION_CHECKPOINTING, PRESETS
+import schedules
 
 class BadInput(Exception):
     """A user mistake detected before training: one line, exit code 2."""
@@ -137,13 +139,21 @@ def build_parser() -> argparse.ArgumentParser:
               "the command line win. The resolved flags go to <run>/config.resolved.json")
     g = p.add_argument_group("data")
     flag("--dataset", default="data/train_data.parquet",
-         help="parquet file with a `text` column, a folder of *.parquet shards, or a quoted glob of them")
+         help="parquet or JSON Lines (.jsonl, .jsonl.gz) file, a folder of *.parquet or of *.jsonl[.gz] shards, or a "
+              "quoted glob of them")
+    flag("--text-column", default="text", metavar="NAME",
+         help="the parquet column / JSON Lines key holding the documents, in every form of --dataset (cannot change "
+              "on resume)")
     flag("--data-cache-dir", default=None, metavar="DIR",
          help="folder for the token caches (default: beside the data when writable, else $PYRECOVER_CACHE_DIR or "
               "~/.cache/pyrecover/tokens)")
     flag("--tokenizer-name-or-path", default=DEFAULT_TOKENIZER,
          help="mistral-sp-32k, mistral-tekken, cl100k_base, o200k_base, a local tokenizer.json / HF tokenizer dir, "
-              "or a Hugging Face model id (org/name[@revision]) already in the local HF cache (HF_HUB_CACHE / HF_HOME)")
+              "or a Hugging Face model id (org/name[@revision]) already in the local HF cache (HF_HUB_CACHE / HF_HOME). "
+              "Not given with --init-from DIR: DIR's tokenizer.json / tokenizer.model when it has one")
+    flag("--force-tokenizer", action="store_true",
+         help="train with --tokenizer-name-or-path although its vocabulary is not --init-from's tokenizer's (the "
+              "embeddings then mean other tokens)")
     flag("--sequence-length", type=int, default=128, help="tokens per training sample")
     flag("--batch-size", type=int, default=8, help="samples per step PER RANK (global batch = batch-size x ranks)")
     flag("--seed", type=int, default=42, help="seeds model init, data order and every RNG")
@@ -156,19 +166,34 @@ def build_parser() -> argparse.ArgumentParser:
          help="a fresh run starts from the Hugging Face Llama weights in DIR (config.json + model.safetensors or "
               "sharded model-*.safetensors), e.g. an export of this program; a resume loads its checkpoint instead")
     flag("--learning-rate", type=float, default=1e-3, help="peak learning rate (AdamW)")
-    flag("--lr-warmup-steps", type=int, default=20, help="linear warm-up steps, then cosine decay to 10%%")
+    flag("--lr-warmup-steps", type=int, default=20, help="linear warm-up steps, then --lr-schedule")
+    flag("--lr-schedule", default="cosine", choices=list(schedules.SCHEDULES),
+         help="after the warm-up: cosine decay to --min-lr-ratio; linear decay to it; wsd (warmup-stable-decay): "
+              "stable at the peak, then a linear decay to it over the last --lr-decay-steps; constant: the peak "
+              "(schedules.py has the formulas)")
+    flag("--lr-decay-steps", type=int, default=None, metavar="N",
+         help="wsd: the decay's length in steps (default: --lr-decay-fraction of --training-steps)")
+    flag("--lr-decay-fraction", type=float, default=schedules.DEFAULT_DECAY_FRACTION, metavar="F",
+         help="wsd: the decay's length as a fraction of --training-steps, unless --lr-decay-steps")
     flag("--min-lr-ratio", type=float, default=0.1, metavar="R",
-         help="the cosine decay ends at R x --learning-rate")
+         help="cosine, linear and wsd decay to R x --learning-rate (constant: unused)")
     flag("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     flag("--adam-betas", type=_betas_flag, default="0.9,0.95", metavar="B1,B2", help="AdamW betas")
     flag("--gradient-accumulation-steps", type=int, default=1, metavar="N",
          help="micro-batches of --batch-size per optimizer step (global batch = batch-size x N x ranks)")
     flag("--training-steps", type=int, default=300, help="total optimizer steps")
     flag("--grad-max-norm", type=float, default=1.0, help="clip the global gradient norm to this (0 = off)")
-    flag("--model-dtype", default="fp32", choices=sorted(distributed.DTYPES),
-         help="bf16/fp16: autocast with fp32 weights; fp32/fp64: everything in that dtype")
+    flag("--model-dtype", default="auto", choices=["auto", *sorted(distributed.DTYPES)],
+         help="bf16/fp16: autocast with fp32 weights; fp32/fp64: everything in that dtype; auto: bf16 on a GPU (fp32 "
+              "where the GPU has no bf16), fp32 on CPU -- resolved at start, the checkpoint records the dtype used")
     flag("--fused-optimizer", action="store_true", help="use the fused AdamW kernel")
     flag("--compile", action="store_true", help="torch.compile the model")
+    flag("--activation-checkpointing", default="none", choices=list(ACTIVATION_CHECKPOINTING),
+         help="recompute blocks' activations in backward instead of keeping them: full = every transformer block, "
+              "selective = one block in --activation-checkpointing-every; same results, less memory, ~1/3 more compute "
+              "per recomputed block; may change on resume")
+    flag("--activation-checkpointing-every", type=int, default=2, metavar="K",
+         help="--activation-checkpointing selective: recompute blocks K, 2K, 3K, ... (K=1 is full)")
     flag("--use_flash_attention", action="store_true", help="flash-attn kernels (CUDA + flash-attn only; no fallback)")
 
     g = p.add_argument_group("distributed")
@@ -176,10 +201,24 @@ def build_parser() -> argparse.ArgumentParser:
          help="timeout of collectives in the training loop (setup keeps 600 s): how long a hung rank goes unnoticed; "
               "must exceed the longest blocking save. Default: 600")
     flag("--distributed", action="store_true", help="data-parallel over torchrun or srun ranks (NCCL on GPU, gloo on CPU)")
+    flag("--device", default="auto", choices=list(distributed.DEVICES),
+         help="auto: CUDA when torch can use it, else CPU -- but a SLURM job given GPUs (SLURM_GPUS_ON_NODE, "
+              "CUDA_VISIBLE_DEVICES) that torch cannot use is refused; cuda: refused without a usable GPU; cpu: "
+              "always. May change on resume (the dtype auto resolves to may not)")
     flag("--parallel", default="ddp", choices=["ddp", "fsdp"],
          help="with --distributed: ddp (full replicas) or fsdp (FSDP2 fully_shard per transformer block, then the root: "
               "parameters, gradients and optimizer state sharded over ranks; checkpoints with --checkpoint-backend dcp; "
               "refused without --distributed)")
+
+    g = p.add_argument_group("pre-flight check")
+    flag("--check", "--dry-run", action="store_true",
+         help="check everything that needs no process group -- flags, --config, paths, the data's files (readable "
+              "parquet with a text column; not tokenized), the tokenizer, the memory estimate, the checkpoint folder "
+              "(writable) and what --resume-from-checkpoint resolves to -- print a summary and exit 0, or 2 with one "
+              "error line; trains nothing, writes nothing, takes no lease")
+    flag("--check-world-size", type=int, default=None, metavar="N",
+         help="with --check --distributed: the ranks the run will have, for the memory estimate and the global batch "
+              "(default: WORLD_SIZE, else SLURM_NTASKS, else 1)")
 
     g = p.add_argument_group("checkpointing")
     flag("--checkpoint-dir", default="checkpoints", help="checkpoints go to <checkpoint-dir>/<experiment_name>/step-N/")
@@ -261,8 +300,21 @@ def build_parser() -> argparse.ArgumentParser:
               "2) goes into the checkpoint's card, one forward pass of 2 windows per 2 held out (0 = no held-out data: "
               "no probe, no eval loss, no --keep-best; with --keep-best give 16 or more for a steadier ranking)")
     flag("--keep-best", type=int, default=0, metavar="K",
-         help="retention also keeps the K checkpoints with the lowest held-out eval loss (`python -m checkpoint list` "
-              "marks them)")
+         help="retention also keeps the K checkpoints with the lowest held-out eval loss -- the val loss with "
+              "--val-dataset/--val-fraction (`python -m checkpoint list` marks them)")
+    flag("--val-dataset", default=None, metavar="PATH",
+         help="a separate validation set, in --dataset's forms (file, folder of shards, quoted glob), tokenized alike; "
+              "evaluations read it instead of the held-out windows (the probe is its first 2 windows); training is "
+              "unchanged by it, so it may be added or changed on resume")
+    flag("--val-fraction", type=float, default=None, metavar="F",
+         help="hold the last fraction F (0 < F < 1) of the data's windows out of training as the validation set, "
+              "instead of --eval-windows N (it cannot change on resume)")
+    flag("--eval-every", type=int, default=0, metavar="N",
+         help="evaluate the validation set every N steps: one log line, a row of val.csv beside the loss CSV, val/loss "
+              "and val/ppl in the trackers (0 = only at checkpoint saves, into the card)")
+    flag("--eval-tokens", type=int, default=None, metavar="T",
+         help="each evaluation reads the first T tokens' worth of windows of the validation set, the same ones every "
+              "time (0 = all; default: all, at most 1048576 tokens)")
     flag("--validate-on-resume", action="store_true",
          help="after loading, recompute the probe loss and compare it with the card's (bitwise on the saving layout); "
               "a mismatch stops with exit 2")
@@ -296,9 +348,12 @@ NUMERIC_FLAGS: tuple[tuple[str, float, bool], ...] = (
     ("max_kept_checkpoints", 0, True), ("keep_every", 0, True), ("walltime_margin_seconds", 0, True),
     ("checkpoint_interval_minutes", 0, True), ("max_restarts", 0, True), ("logging_frequency", 1, True),
     ("profile_step_start", 1, True), ("profile_step_end", 1, True), ("eval_windows", 0, True), ("keep_best", 0, True),
+    ("val_fraction", 0, False), ("eval_every", 0, True), ("eval_tokens", 0, True),
     ("mirror_every", 1, True), ("mirror_keep", 0, True), ("mirror_timeout", 0, False),
     ("min_lr_ratio", 0, True), ("weight_decay", 0, True), ("gradient_accumulation_steps", 1, True),
-    ("local_checkpoint_frequency", 0, True), ("local_checkpoint_keep", 1, True),
+    ("activation_checkpointing_every", 1, True),
+    ("local_checkpoint_frequency", 0, True), ("local_checkpoint_keep", 1, True), ("check_world_size", 1, True),
+    ("lr_decay_steps", 1, True), ("lr_decay_fraction", 0, False),
 )
 
 
@@ -309,23 +364,52 @@ def check_flags(args: argparse.Namespace, *, writes_csv: bool = True) -> None:
     if args.parallel == "fsdp" and not args.distributed:
         raise BadInput("--parallel fsdp shards the model over the ranks of a --distributed run, and this is one "
                        "process; add --distributed (under torchrun or srun), or drop --parallel fsdp")
+    if args.check_world_size is not None and not args.check:
+        raise BadInput("--check-world-size sizes a --check (the ranks a run has come from its launcher); add --check, "
+                       "or drop it")
     check_paths(args, writes_csv=writes_csv)
     if args.init_from is not None and not os.path.isdir(args.init_from):
         raise BadInput(f"--init-from {args.init_from} is not a folder; give a Hugging Face Llama model folder")
     default_model(args)
     if args.model not in PRESETS and not os.path.isfile(args.model):
         raise BadInput(f"--model: {_model_problem(args.model)}")
+    check_schedule(args)
+
+
+def check_schedule(args: argparse.Namespace) -> None:
+    """wsd's warm-up and decay must fit in the run (its stable phase would be negative: no schedule at all)."""
+    if args.lr_schedule != "wsd":
+        return
+    decay = schedules.decay_steps(args.training_steps, args.lr_decay_steps, args.lr_decay_fraction)
+    if args.lr_warmup_steps + decay > args.training_steps:
+        given = (f"--lr-decay-steps {decay}" if args.lr_decay_steps is not None else
+                 f"{decay} decay step(s) (--lr-decay-fraction {args.lr_decay_fraction:g})")
+        raise BadInput(f"--lr-schedule wsd: --lr-warmup-steps {args.lr_warmup_steps} + {given} exceed "
+                       f"--training-steps {args.training_steps}; shorten the warm-up or the decay, or train longer")
+
+
+def schedule_warning(args: argparse.Namespace) -> str | None:
+    """A warm-up longer than the run: legal (a first leg of a run that a resume lengthens with --training-steps; the
+    test suite's short runs), but the learning rate never reaches --learning-rate. One warning line, or None."""
+    if args.lr_warmup_steps > args.training_steps and args.lr_schedule != "wsd":  # wsd: refused by check_schedule
+        return (f"warning: --lr-warmup-steps {args.lr_warmup_steps} exceeds --training-steps {args.training_steps}: "
+                f"the learning rate never reaches --learning-rate {args.learning_rate:g} (it ends at "
+                f"{args.training_steps / args.lr_warmup_steps:.0%} of it); if that is not meant, give fewer "
+                "--lr-warmup-steps than --training-steps")
+    return None
 
 
 # Flags naming a path (or a name that becomes part of one): an empty value would silently mean the current folder,
 # or nothing at all (no resume, no mirror, no CSV). (dest, what to give instead)
 PATH_FLAGS = (("dataset", "a parquet file, a folder of them or a glob"), ("data_cache_dir", "a folder"),
+              ("text_column", "the name of the column holding the documents"),
               ("tokenizer_name_or_path", "a tokenizer name or path"),
               ("checkpoint_dir", "a folder or s3://bucket/prefix"), ("experiment_name", "a run name"),
               ("resume_from_checkpoint", "`latest`, a step or a path"),
               ("mirror_dir", "a folder or s3://bucket/prefix"), ("model", "a preset or a config.json"),
               ("local_checkpoint_dir", "a folder on each node"),
               ("init_from", "a Hugging Face model folder"),
+              ("val_dataset", "a parquet file, a folder of them or a glob"),
               ("log_loss_to_csv", "a file path, or the flag alone for <checkpoint-dir>/<experiment_name>/loss.csv"))
 
 
@@ -366,30 +450,49 @@ def check_numeric_flags(args: argparse.Namespace) -> None:
             raise BadInput(f"{flag} {value} is not a finite number; give a number {need}")
         if value < lowest or (value == lowest and not inclusive):
             raise BadInput(f"{flag} {value:g} is out of range; give a number {need}")
+    if args.lr_decay_fraction > 1:
+        raise BadInput(f"--lr-decay-fraction {args.lr_decay_fraction:g} is out of range; give a fraction of "
+                       "--training-steps between 0 and 1")
     if args.min_lr_ratio > 1:
         raise BadInput(f"--min-lr-ratio {args.min_lr_ratio:g} is out of range; give a fraction of the peak learning "
                        "rate between 0 and 1")
     if args.seed >= 2**63:
         raise BadInput(f"--seed {args.seed} is too large; give a number below 2**63")
-    if args.eval_windows == 0 and (args.keep_best or args.validate_on_resume):
+    if args.val_fraction is not None and args.val_fraction >= 1:
+        raise BadInput(f"--val-fraction {args.val_fraction:g} is out of range; give a fraction of the data between 0 "
+                       "and 1 (e.g. 0.01)")
+    if args.val_fraction is not None and args.val_dataset is not None:
+        raise BadInput("--val-dataset and --val-fraction both give a validation set; give one of them")
+    has_val = args.eval_windows > 0 or args.val_fraction is not None or args.val_dataset is not None
+    if args.eval_every and not has_val:
+        raise BadInput(f"--eval-every {args.eval_every} needs validation data, but there is none (--eval-windows 0, no "
+                       "--val-dataset or --val-fraction); give --val-dataset PATH or --val-fraction F (e.g. 0.01)")
+    if not has_val and (args.keep_best or args.validate_on_resume):
         need = "--keep-best" if args.keep_best else "--validate-on-resume"
-        raise BadInput(f"{need} needs held-out data, but --eval-windows is 0; give --eval-windows N (e.g. 16)")
+        raise BadInput(f"{need} needs held-out data, but --eval-windows is 0; give --eval-windows N (e.g. 16), "
+                       "--val-dataset or --val-fraction")
     if args.profile and args.profile_step_end < args.profile_step_start:
         raise BadInput(f"--profile-step-end {args.profile_step_end} is before --profile-step-start "
                        f"{args.profile_step_start}; give an end step >= the start step")
 
 
-# Flags that may differ from the checkpoint's on resume (docs/checkpointing.md "Changing flags on resume"). APPLIED:
+# Flags that may differ from the checkpoint's on resume (docs/checkpointing.md "Changing flags on resume"). Listed in
+# neither: free to change, silently (paths, logging, --device -- the dtype `--model-dtype auto` resolves to on the new
+# device is compared, as model_dtype, below -- and --check / --check-world-size, which never train). APPLIED:
 # they take effect from the resumed step on, each named in one line. REFUSED (with why): the checkpoint's weights, data
 # position and RNG were made with the saved value, so a new one could not apply -- exit 2 instead of a half-applied run.
-RESUME_APPLIED = ("learning_rate", "lr_warmup_steps", "training_steps", "grad_max_norm", "fused_optimizer", "compile",
-                  "batch_size")
+RESUME_APPLIED = ("val_dataset", "eval_every", "eval_tokens",  # evaluation only: training reads none of them
+                  "learning_rate", "lr_warmup_steps", "training_steps", "grad_max_norm", "fused_optimizer", "compile",
+                  "activation_checkpointing", "activation_checkpointing_every",  # memory and time, not results
+                  "batch_size", "lr_schedule", "lr_decay_steps", "lr_decay_fraction")
 RESUME_REFUSED = (("model", "the weights are that model's"),
                   ("tokenizer_name_or_path", "the embeddings and the data position are that tokenizer's"),
+                  ("text_column", "the data position counts windows of that column's documents"),
                   ("sequence_length", "the data position counts windows of that length"),
                   ("seed", "the data order and every RNG continue from the checkpoint"),
                   ("model_dtype", "the weights and optimizer state were trained in it"),
                   ("eval_windows", "the held-out windows are cut from the training data and its order"),
+                  ("val_fraction", "the validation windows are cut from the training data and its order"),
                   ("weight_decay", "the optimizer state was made with it"),
                   ("adam_betas", "the optimizer's moment estimates were averaged with them"),
                   ("min_lr_ratio", "the schedule the run follows ends there"),
@@ -399,7 +502,11 @@ RESUME_REFUSED = (("model", "the weights are that model's"),
 
 # A refused flag the checkpoint does not record: the value the version that wrote it behaved as.
 ABSENT_MEANS = {"eval_windows": 0,  # before held-out data, training read every window
-                "weight_decay": 0.1, "adam_betas": [0.9, 0.95], "min_lr_ratio": 0.1, "gradient_accumulation_steps": 1}
+                "text_column": "text",  # before --text-column, the only column read
+                "val_fraction": None,
+                "weight_decay": 0.1, "adam_betas": [0.9, 0.95], "min_lr_ratio": 0.1, "gradient_accumulation_steps": 1,
+                # applied flags too: a new schedule on an older checkpoint is named and re-applied like any other
+                "lr_schedule": "cosine", "lr_decay_steps": None, "lr_decay_fraction": schedules.DEFAULT_DECAY_FRACTION}
 
 
 def _saved_config(run_info: RunInfo) -> dict:
@@ -413,6 +520,8 @@ def _flag(key: str) -> str:
 
 
 def _shown(value):
+    if value is None:  # an optional flag not given (--lr-decay-steps)
+        return "unset"
     if isinstance(value, (list, tuple)):  # --adam-betas, as typed
         return ",".join(f"{v:g}" for v in value)
     return ("on" if value else "off") if isinstance(value, bool) else value
@@ -449,7 +558,8 @@ def apply_resume_flags(args: argparse.Namespace, run_info: RunInfo, step: int | 
         return []
     saved = _saved_config(run_info)
     changed = [k for k in RESUME_APPLIED if k in saved and saved[k] != getattr(args, k)]
-    if {"learning_rate", "lr_warmup_steps", "training_steps"} & set(changed):
+    if {"learning_rate", "lr_warmup_steps", "training_steps", "lr_schedule", "lr_decay_steps",
+            "lr_decay_fraction"} & set(changed):
         # LambdaLR's state restored the old base lr and the optimizer the old step's lr; the lambda is the current
         # flags'. Set both so step s runs at learning_rate * lambda(s), as a fresh run with these flags would.
         scheduler.base_lrs = [args.learning_rate] * len(optimizer.param_groups)
@@ -681,7 +791,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # A value already in the namespace is not replaced by the default: None stays when --checkpoint-backend is not
     # given, so its alias can tell an explicit backend from the default. A --config file's values go in the same way:
     # a flag on the command line overrides them, a flag given nowhere gets its default.
-    preset = argparse.Namespace(checkpoint_backend=None)
+    preset = argparse.Namespace(checkpoint_backend=None, tokenizer_name_or_path=None)
     config = parser.parse_known_args(argv)[0].config
     if config is not None:
         try:
@@ -696,7 +806,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.checkpoint_backend = "dcp"
     args.checkpoint_backend = args.checkpoint_backend or parser.get_default("checkpoint_backend")
     default_model(args)
+    default_tokenizer(args)
     return args
+
+
+def default_tokenizer(args: argparse.Namespace) -> None:
+    """--tokenizer-name-or-path given nowhere (None): --init-from's own tokenizer when its folder has one -- its
+    weights' embeddings are that tokenizer's ids -- else the default. train.py compares an explicit one with it."""
+    if args.tokenizer_name_or_path is None:
+        found = folder_tokenizer(args.init_from) if args.init_from and os.path.isdir(args.init_from) else None
+        args.tokenizer_name_or_path = found or DEFAULT_TOKENIZER
 
 
 def default_model(args: argparse.Namespace) -> None:

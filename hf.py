@@ -62,6 +62,7 @@ class Saved:
     config: dict  # model.ModelConfig as a dict
     preset: str | None  # --model
     tokenizer: str | None  # --tokenizer-name-or-path (a name, or a path as given to train.py)
+    max_positions: int | None = None  # the source config.json's max_position_embeddings (a preset: None)
 
 
 def saved_model(where, manifest: dict) -> Saved:
@@ -85,8 +86,10 @@ def saved_model(where, manifest: dict) -> Saved:
     if missing:
         raise CheckpointError(f"{where}: the saved model configuration lacks {', '.join(missing)}")
     card_data = card.get("data") if isinstance(card.get("data"), dict) else {}
+    positions = card_model.get("max_position_embeddings")
     return Saved(config, card_model.get("preset") or run_config.get("model"),
-                 run_config.get("tokenizer_name_or_path") or card_data.get("tokenizer"))
+                 run_config.get("tokenizer_name_or_path") or card_data.get("tokenizer"),
+                 positions if isinstance(positions, int) and not isinstance(positions, bool) else None)
 
 
 def _tied(config: dict) -> bool:
@@ -390,9 +393,12 @@ def _json(obj: dict) -> bytes:
     return (json.dumps(obj, indent=2) + "\n").encode()
 
 
-def hf_config(config: dict, dtype: torch.dtype, bos_id: int | None, eos_id: int | None) -> dict:
+def hf_config(config: dict, dtype: torch.dtype, bos_id: int | None, eos_id: int | None,
+              max_positions: int | None = None) -> dict:
     """config.json for transformers' LlamaConfig (field names of transformers 4.x and 5.x: ``rope_theta`` for the
-    former, ``rope_parameters`` for the latter)."""
+    former, ``rope_parameters`` for the latter). max_position_embeddings: ``max_positions`` (the run's source
+    config.json had it; RoPE has no table that limits it) else the training sequence length, which
+    ``pyrecover_training_sequence_length`` records either way (transformers keeps unknown keys)."""
     head_dim = int(config["dim"]) // int(config["n_heads"])
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -405,7 +411,8 @@ def hf_config(config: dict, dtype: torch.dtype, bos_id: int | None, eos_id: int 
         "num_key_value_heads": int(config["n_kv_heads"]),
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": int(config["max_seq_len"]),
+        "max_position_embeddings": max(int(max_positions or 0), int(config["max_seq_len"])),
+        "pyrecover_training_sequence_length": int(config["max_seq_len"]),
         "rms_norm_eps": float(config["norm_eps"]),
         "rope_theta": float(config["rope_theta"]),
         "rope_parameters": {"rope_type": "default", "rope_theta": float(config["rope_theta"])},
@@ -501,7 +508,9 @@ def export_hf(src, out, *, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, dtype: 
     target = DTYPES[dtype] if dtype else weights["model.embed_tokens.weight"].dtype
     tok_name = tokenizer or saved.tokenizer
     if tok_name:
-        tok = tokenizer_files(tok_name, int(config["vocab_size"]), int(config["max_seq_len"]), explicit=bool(tokenizer))
+        tok = tokenizer_files(tok_name, int(config["vocab_size"]), max(saved.max_positions or 0,
+                                                                       int(config["max_seq_len"])),
+                              explicit=bool(tokenizer))
     else:
         tok = TokenizerExport(note="tokenizer not exported: the checkpoint does not name it; pass --tokenizer")
 
@@ -526,7 +535,7 @@ def export_hf(src, out, *, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, dtype: 
         written = {}
         if len(files) > 1:
             written[INDEX] = _json({"metadata": {"total_size": total}, "weight_map": weight_map})
-        written["config.json"] = _json(hf_config(config, target, tok.bos_id, tok.eos_id))
+        written["config.json"] = _json(hf_config(config, target, tok.bos_id, tok.eos_id, saved.max_positions))
         written["generation_config.json"] = _json({"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id})
         written.update(tok.files)
         for fname, data in written.items():

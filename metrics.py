@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,7 @@ class LossCSV:
     appends to the old file writes into an unlinked inode, not into this run's log."""
 
     FIELDS = ["step", "loss", "lr", "tokens_seen", "wall_time", "restart"]
+    NUMBERS = {"step": int, "loss": float, "lr": float, "tokens_seen": int}  # what a whole row's values parse as
 
     def __init__(self, path: Path, resumed_step: int | None):
         self.path = path
@@ -51,7 +53,8 @@ class LossCSV:
         rows = []
         if path.exists():
             with open(path, newline="") as f:
-                rows = [r for r in _whole_rows(csv.DictReader(f)) if int(r["step"]) <= (resumed_step or 0)]
+                rows = [r for r in _whole_rows(csv.DictReader(f), self.NUMBERS)
+                        if int(r["step"]) <= (resumed_step or 0)]
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         with open(tmp, "w", newline="") as f:
             w = csv.DictWriter(f, self.FIELDS)
@@ -74,28 +77,98 @@ class LossCSV:
         fsync_dir(self.path.parent)
 
 
-def _whole_rows(reader):
+VAL_CSV = "val.csv"  # beside loss.csv: one row per evaluation (--eval-every, and each periodic save)
+
+
+class ValCSV(LossCSV):
+    """The evaluations' rows (evaluation.py): the loss CSV's rule -- rewritten at start with the rows up to the resumed
+    step, so every evaluation appears exactly once however often the run was killed (an evaluation a kill interrupted
+    is redone from the same weights: the same value)."""
+
+    FIELDS = ["step", "val_loss", "val_ppl", "val_tokens", "wall_time"]
+    NUMBERS = {"step": int, "val_loss": float, "val_ppl": float, "val_tokens": int}
+
+
+def val_csv_path(loss_csv: Path) -> Path:
+    """The val CSV beside a loss CSV: val.csv next to the default loss.csv, else <name>.val.csv."""
+    return loss_csv.with_name(VAL_CSV if loss_csv.name == "loss.csv" else f"{loss_csv.stem}.val{loss_csv.suffix}")
+
+
+def _whole_rows(reader, numbers: dict | None = None):
     """The rows before the first one that does not parse: appends after the last sync may survive a power cut torn
     or as zeros (tests/powerloss found a resume dying on a NUL-filled row). Those rows are past the checkpoint the
     run resumes from, and get rewritten."""
     for r in reader:
         try:
-            int(r["step"]), float(r["loss"]), float(r["lr"]), int(r["tokens_seen"])
+            for key, kind in (numbers or LossCSV.NUMBERS).items():
+                kind(r[key])
         except (KeyError, TypeError, ValueError):
             return
         yield r
 
 
-def device_peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak of the GPU, for MFU. None on CPU or an unknown GPU."""
+def bar_fits() -> bool:
+    """Whether stderr can show a progress bar: a terminal with a width. Some `srun --pty` wrappers give a pty of 0
+    columns, where tqdm draws nothing at all (not even its postfix): plain lines there, as in a batch log."""
+    if not sys.stderr.isatty():
+        return False
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns > 0  # what tqdm's dynamic_ncols asks the pty too
+    except OSError:
+        return False
+
+
+# Peak FLOP/s per GPU model, dense (without 2:4 sparsity): (fp32 on the CUDA cores, bf16 = fp16 on the tensor cores).
+# fp32 is the non-tensor-core figure because PyTorch's fp32 matmuls do not use TF32 unless asked to
+# (torch.backends.cuda.matmul.allow_tf32 is off by default). Vendor datasheets; where they give the tensor-core figure
+# "with sparsity" only, it is halved here:
+#   H100 SXM / H100 NVL: NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100/): fp32 67 / 60 TF,
+#     bf16 1,979 / 1,671 TF with sparsity; H100 PCIe: the 2022 edition of that datasheet: fp32 51 TF, bf16 1,513 TF
+#     with sparsity
+#   H200 / H200 NVL: NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200/): as H100 SXM / H100 NVL
+#   GH200: NVIDIA GH200 Grace Hopper Superchip datasheet: fp32 67 TF, bf16 1,979 TF with sparsity
+#   A100 (SXM4 and PCIe, 40 and 80 GB): NVIDIA A100 datasheet: fp32 19.5 TF, bf16 312 TF dense
+#   A10: NVIDIA A10 datasheet: fp32 31.2 TF, bf16 125 TF dense. (A10G, AWS's variant, has no NVIDIA datasheet: no MFU)
+#   B200: NVIDIA HGX B200 specifications (nvidia.com/en-us/data-center/hgx/), 8 GPUs: fp32 600 TF, bf16 36 PF with
+#     sparsity -> per GPU 75 TF, 2.25 PF dense
+#   L40S / L40: NVIDIA L40S / L40 datasheets: fp32 91.6 / 90.5 TF, bf16 362 / 181 TF dense
+GPU_PEAK_FLOPS: dict[str, tuple[float, float]] = {
+    "H100 SXM": (67e12, 989.5e12), "H100 PCIe": (51e12, 756.5e12), "H100 NVL": (60e12, 835.5e12),
+    "H200 SXM": (67e12, 989.5e12), "H200 NVL": (60e12, 835.5e12), "GH200": (67e12, 989.5e12),
+    "A100": (19.5e12, 312e12), "A10": (31.2e12, 125e12), "B200": (75e12, 2250e12),
+    "L40S": (91.6e12, 362.05e12), "L40": (90.5e12, 181.05e12),
+}
+# torch.cuda.get_device_name -> model, the whole name matched (case and spacing aside): a substring would take an
+# "A10G" for an A10 or an "H100 PCIe" for an H100 SXM. A name not listed gets no MFU rather than a wrong one.
+_GPU_NAMES = (
+    (r"NVIDIA H100 80GB HBM3", "H100 SXM"), (r"NVIDIA H100 PCIe", "H100 PCIe"), (r"NVIDIA H100 NVL", "H100 NVL"),
+    (r"NVIDIA H200", "H200 SXM"), (r"NVIDIA H200 NVL", "H200 NVL"), (r"NVIDIA GH200 \d+GB?( HBM3e?)?", "GH200"),
+    (r"NVIDIA A100-SXM4-(40|80)GB", "A100"), (r"NVIDIA A100-PCIE-40GB", "A100"), (r"NVIDIA A100 80GB PCIe", "A100"),
+    (r"NVIDIA A10", "A10"), (r"NVIDIA B200", "B200"), (r"NVIDIA L40S", "L40S"), (r"NVIDIA L40", "L40"),
+)
+
+
+def gpu_model(name: str) -> str | None:
+    """A GPU_PEAK_FLOPS key for a torch.cuda.get_device_name string, or None (not a GPU the table knows)."""
+    normal = " ".join(name.split())
+    return next((model for pattern, model in _GPU_NAMES if re.fullmatch(pattern, normal, re.IGNORECASE)), None)
+
+
+def peak_flops(device_name: str, dtype: str) -> float | None:
+    """Dense peak FLOP/s of the GPU named ``device_name`` for the dtype the run computes in (--model-dtype: fp32, or
+    bf16/fp16 under autocast), for MFU. None: a GPU the table does not know, or fp64."""
+    model = gpu_model(device_name)
+    if model is None:
+        return None
+    fp32, half = GPU_PEAK_FLOPS[model]
+    return {"fp32": fp32, "bf16": half, "fp16": half}.get(dtype)
+
+
+def device_peak_flops(device: torch.device, dtype: str) -> float | None:
+    """peak_flops of the run's device; None on CPU."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, flops in (("H100", 989e12), ("GH200", 989e12), ("H200", 989e12), ("A100", 312e12), ("L40", 181e12),
-                       ("A10", 125e12), ("V100", 125e12)):
-        if key in name:
-            return flops
-    return None
+    return peak_flops(torch.cuda.get_device_name(device), dtype)
 
 
 class Metrics:
@@ -106,8 +179,14 @@ class Metrics:
                  total_steps: int = 0, every: int = 1, tokens_per_step: int = 0, flops_per_token: float = 0.0,
                  peak_flops: float | None = None, world_size: int = 1, imports: tuple[float, float] = (0.0, 0.0),
                  profiler=None, trackers: list | None = None, tracker_dir: Path | None = None,
-                 tracker_names: tuple[str, ...] = (), save_records=None):
+                 tracker_names: tuple[str, ...] = (), save_records=None, memory=None, val_csv_path: Path | None = None):
         self.writer, self.csv_path, self.resumed_step = writer, csv_path, resumed_step
+        # the evaluations' rows (``val_csv_path``: given when the run evaluates, or has evaluated: see train.py)
+        self.val_csv = ValCSV(val_csv_path, resumed_step) if (val_csv_path and writer) else None
+        # distributed.PeakMemory: rank 0's peaks per step, for the log line and the trackers (never the CSV: a
+        # resumed run's rows must be bitwise the uninterrupted one's, and memory is not)
+        self.memory = memory if writer else None
+        self._memory_peaks: dict[str, int] = {}  # the highest of each since the last log line
         self.total_steps, self.every, self.world_size = total_steps, every, world_size
         self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, peak_flops
         self.imports, self.profiler = imports, profiler
@@ -129,7 +208,7 @@ class Metrics:
             from tqdm import tqdm
 
             self.progress = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
-                                 disable=not sys.stderr.isatty() and not knobs.force_progress())
+                                 disable=not bar_fits() and not knobs.force_progress())
 
     def start(self, load_s: float) -> None:
         """The loop begins (what a restart cost is measured up to the end of the first step after this)."""
@@ -147,17 +226,26 @@ class Metrics:
             self.csv.row(**self._row, wall_time=f"{time.time():.3f}")
         tok_s = self.tokens_per_step / step_s if step_s > 0 else 0.0
         mfu = self.flops_per_token * tok_s / self.world_size / self.peak_flops if self.peak_flops else None
+        memory = self.memory.interval() if self.memory is not None else {}
+        for key, value in memory.items():
+            self._memory_peaks[key] = max(value, self._memory_peaks.get(key, 0))
         if self.trackers:
-            self._track(step, loss, lr, grad_norm, step_s, tok_s, mfu, tokens_seen)
-        if self.progress is not None and (step % self.every == 0 or step == self.total_steps):
+            self._track(step, loss, lr, grad_norm, step_s, tok_s, mfu, tokens_seen, memory)
+        # the first step of this incarnation too: a start (or a resume) shows that it trains without waiting for
+        # --logging-frequency steps
+        due = step % self.every == 0 or step == self.total_steps or step == self._start_step + 1
+        if self.progress is not None and due:
             postfix = {"loss": f"{loss:.4f}", "tok/s": f"{tok_s:,.0f}", "step_s": f"{step_s:.3f}"}
             if grad_norm is not None:
                 postfix["gnorm"] = f"{float(grad_norm):.2f}"
             if mfu is not None:
                 postfix["mfu"] = f"{100 * mfu:.1f}%"
+            # the peaks since the last line, in MiB: peak_allocated / peak_reserved on CUDA, peak_rss on CPU
+            postfix.update({key: f"{value / 2**20:,.0f}MiB" for key, value in self._memory_peaks.items()})
+            self._memory_peaks = {}
             self.progress.set_postfix(postfix, refresh=False)
             self.progress.update(step - self.progress.n)
-            if self.progress.disable:  # not a terminal (batch job log): plain lines instead of a bar
+            if self.progress.disable:  # no terminal (batch job log), or one 0 columns wide: plain lines, no bar
                 # The bar shows rate and remaining time itself; a batch log needs them spelled out.
                 plain = {"loss": postfix["loss"], "lr": f"{lr:.3e}", **{k: v for k, v in postfix.items() if k != "loss"},
                          "eta": self._eta(step)}
@@ -176,9 +264,10 @@ class Metrics:
         return f"{h}:{rem // 60:02d}:{rem % 60:02d}"
 
     def _track(self, step: int, loss: float, lr: float, grad_norm, step_s: float, tok_s: float, mfu: float | None,
-               tokens_seen: int) -> None:
+               tokens_seen: int, memory: dict[str, int]) -> None:
         values = {"train/loss": loss, "train/lr": lr, "train/tokens_seen": float(tokens_seen),
                   "perf/step_s": step_s, "perf/tokens_per_s": tok_s}
+        values.update({f"memory/{key}_mib": value / 2**20 for key, value in memory.items()})
         if grad_norm is not None:
             values["train/grad_norm"] = float(grad_norm)
         if mfu is not None:  # known only on a GPU whose peak device_peak_flops knows
@@ -199,11 +288,19 @@ class Metrics:
             self._saves_logged += 1
         return values
 
-    def note_eval(self, step: int, evaluation: dict | None) -> None:
-        """The held-out losses of the card saved at ``step`` (evaluation.py), logged at that step."""
-        if evaluation and self.trackers:
-            for tracker in self.trackers:
-                tracker.log(step, {"eval/loss": evaluation["eval_loss"], "eval/probe_loss": evaluation["probe_loss"]})
+    def note_eval(self, step: int, evaluation: dict) -> None:
+        """An evaluation after step ``step`` (evaluation.Evaluator): one log line, a val CSV row, the trackers' val/loss
+        and val/ppl (and eval/loss, eval/probe_loss, as a card records them) at that step. Rank 0 writes."""
+        if not self.writer:
+            return
+        loss, ppl, tokens = evaluation["val_loss"], evaluation["val_ppl"], evaluation["val_tokens"]
+        _log.info(f"eval step {step}: val loss {loss:.4f} ppl {ppl:.2f} ({tokens} tokens)")
+        if self.val_csv:
+            self.val_csv.row(step=step, val_loss=repr(loss), val_ppl=repr(ppl), val_tokens=tokens,
+                             wall_time=f"{time.time():.3f}")
+        for tracker in self.trackers:
+            tracker.log(step, {"val/loss": loss, "val/ppl": ppl, "eval/loss": evaluation["eval_loss"],
+                               "eval/probe_loss": evaluation["probe_loss"]})
 
     def recovery_line(self) -> str:
         """What a restart cost this rank, from its process start to the end of its first step after the resume."""
@@ -224,6 +321,8 @@ class Metrics:
         """Before a save: the rows up to it are durable (a resume must never find fewer rows than its step)."""
         if self.csv:
             self.csv.sync()
+        if self.val_csv:
+            self.val_csv.sync()
         for tracker in self.trackers:
             tracker.sync()
 

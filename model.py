@@ -243,6 +243,22 @@ class TransformerBlock(nn.Module):
 
 ATTENTION_CHOICES = ("sdpa", "flash")
 
+# Activation checkpointing (--activation-checkpointing): which blocks keep only their input in the forward pass and
+# recompute their activations in backward. distributed.checkpoint_activations applies it; estimate_peak_memory models
+# it. "selective": every K-th block (K = --activation-checkpointing-every), counting from the first: blocks K, 2K, ...
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+
+
+def recomputed_layers(n_layers: int, mode: str, every: int = 2) -> list[int]:
+    """Indices of the blocks whose activations are recomputed in backward under activation checkpointing ``mode``."""
+    if mode not in ACTIVATION_CHECKPOINTING:
+        raise ValueError(f"unknown activation checkpointing {mode!r}; "
+                         f"choose one of: {', '.join(ACTIVATION_CHECKPOINTING)}")
+    if mode == "none":
+        return []
+    step = 1 if mode == "full" else every
+    return [i for i in range(n_layers) if (i + 1) % step == 0]
+
 
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, attention: str = "sdpa") -> None:
@@ -334,11 +350,14 @@ class MemoryEstimate:
     logits: int  # the output layer's logits, log-softmax and their gradients at the start of backward
     overhead: int = 0  # CPU: first-use allocations and memory malloc keeps after free (calibrated, see below)
     checkpoint_buffers: int = 0  # host copies of the state held by asynchronous checkpointing, when in this memory
+    recompute: int = 0  # activation checkpointing: one block's activations, re-made in backward (logits freed by then)
+    checkpointing: str = ""  # activation checkpointing, as the memory estimate line shows it ("" = off)
 
     @property
     def backward(self) -> int:
-        """Transient memory at the start of backward: every saved activation and the logits alive at once."""
-        return self.activations + self.logits
+        """Transient memory in backward: every saved activation with, at its start, the logits alive, or later one
+        recomputed block's activations (activation checkpointing), whichever is larger."""
+        return self.activations + max(self.logits, self.recompute)
 
     @property
     def step(self) -> int:
@@ -358,15 +377,19 @@ class MemoryEstimate:
             return f"{n / 2**20:,.1f}"
 
         return (f"{mib(self.total)} MiB = parameters {mib(self.parameters)} + optimizer state {mib(self.optimizer)} "
-                f"+ max(activations {mib(self.activations)} + logits {mib(self.logits)} [backward], "
-                f"gradients {mib(self.gradients)} + optimizer temporaries {mib(self.optimizer_step)} [step])"
+                f"+ max(activations {mib(self.activations)}"
+                + (f" [activation checkpointing {self.checkpointing}]" if self.checkpointing else "")
+                + (f" + max(logits {mib(self.logits)}, one block's recompute {mib(self.recompute)}) [backward], "
+                   if self.recompute else f" + logits {mib(self.logits)} [backward], ")
+                + f"gradients {mib(self.gradients)} + optimizer temporaries {mib(self.optimizer_step)} [step])"
                 + (f" + allocator overhead {mib(self.overhead)}" if self.overhead else "")
                 + (f" + checkpoint buffers {mib(self.checkpoint_buffers)}" if self.checkpoint_buffers else ""))
 
 
 def estimate_peak_memory(config: ModelConfig, batch_size: int, seq_len: int, dtype: str = "fp32",
                          world_size: int = 1, parallel: str = "single", device_type: str = "cpu",
-                         optimizer: str = "default", checkpoint_copies: int = 0) -> MemoryEstimate:
+                         optimizer: str = "default", checkpoint_copies: int = 0, activation_checkpointing: str = "none",
+                         checkpoint_every: int = 2) -> MemoryEstimate:
     """Estimated peak memory of one rank training `config` with AdamW on `batch_size` x `seq_len` tokens.
 
     dtype: "fp32"/"fp64" (everything in that dtype) or "bf16"/"fp16" (autocast, fp32 weights). parallel: "single",
@@ -374,6 +397,7 @@ def estimate_peak_memory(config: ModelConfig, batch_size: int, seq_len: int, dty
     (which AdamW implementation runs: single-tensor on CPU, foreach on CUDA). optimizer: "default" or "fused".
     checkpoint_copies: copies of the weights and optimizer state that asynchronous checkpointing holds in the same
     memory (CPU training: the concurrent backend's --max-async buffer sets, dcp --async-checkpoint's staging copy).
+    activation_checkpointing, checkpoint_every: the blocks recomputed in backward (recomputed_layers).
 
     Counted from the model's actual tensors (N = batch_size * seq_len tokens, d = dim, f = ffn_dim, h = n_heads,
     L = layers, V = vocab, P = parameters; s = 4 bytes, 8 for fp64, 2 for autocast's bf16/fp16 copies):
@@ -383,6 +407,9 @@ def estimate_peak_memory(config: ModelConfig, batch_size: int, seq_len: int, dty
       heads) and the attention output, the output projection's input, three SwiGLU intermediates and w2's input;
       autocast 34d + 8f + 4h + 8 bytes (fp32 norms, a bf16 copy of each matmul input) plus bf16 copies of every
       matmul weight (2*P bytes);
+    - activation checkpointing: a recomputed block keeps only its input, d*s per token (4d bytes under autocast: the
+      residual stream is fp32); in backward, once the logits are freed, one block at a time re-creates its full
+      activations (under autocast with bf16 copies of its weights): backward = activations + max(logits, recompute);
     - logits: at the start of backward the logits, their log-softmax and both gradients, 4*N*V*4 bytes in fp32
       (autocast 14*N*V: bf16 logits, fp32 copy; fp64 20*N*V);
     - optimizer step temporaries: single-tensor AdamW (CPU) two copies of the largest weight (the V x d embedding),
@@ -404,11 +431,17 @@ def estimate_peak_memory(config: ModelConfig, batch_size: int, seq_len: int, dty
     wide = 8 if dtype == "fp64" else 4  # weights, gradients and optimizer state (fp32 master weights under autocast)
     autocast = dtype in ("bf16", "fp16")
     if autocast:
-        activations = N * (L * (34 * d + 8 * f + 4 * h + 8) + 10 * d + 8) + 2 * matmul_params
+        block, kept = N * (34 * d + 8 * f + 4 * h + 8), 4 * N * d  # one block's saved tensors; a recomputed one's input
+        activations = N * (10 * d + 8) + 2 * matmul_params
+        recompute = block + 2 * (per_layer - 2 * d)
         logits = 14 * N * V
     else:
-        activations = N * (L * (11 * d + 4 * f + h + 2) + 3 * d + 1) * wide
+        block, kept = N * (11 * d + 4 * f + h + 2) * wide, N * d * wide
+        activations = N * (3 * d + 1) * wide
+        recompute = block
         logits = 4 * N * V * 4 if dtype != "fp64" else 20 * N * V
+    recomputed = len(recomputed_layers(L, activation_checkpointing, checkpoint_every))
+    activations += (L - recomputed) * block + recomputed * kept
     activations += 2 * N * 8  # int64 inputs and targets
     shard = world_size if parallel == "fsdp" else 1
     params = P * wide // shard
@@ -427,4 +460,14 @@ def estimate_peak_memory(config: ModelConfig, batch_size: int, seq_len: int, dty
     overhead = 80 * 2**20 + grads // 2 if device_type == "cpu" else 0
     return MemoryEstimate(parameters=params, gradients=grads, optimizer=2 * P * wide // shard, optimizer_step=step,
                           activations=activations, logits=logits, overhead=overhead,
-                          checkpoint_buffers=checkpoint_copies * 3 * P * wide // shard)
+                          checkpoint_buffers=checkpoint_copies * 3 * P * wide // shard,
+                          recompute=recompute if recomputed else 0,
+                          checkpointing=_checkpointing_label(activation_checkpointing, checkpoint_every, recomputed, L))
+
+
+def _checkpointing_label(mode: str, every: int, recomputed: int, n_layers: int) -> str:
+    """How the memory estimate line names the activation checkpointing in effect ("" = none)."""
+    if mode == "none":
+        return ""
+    how = "every block" if mode == "full" else f"one in {every}"
+    return f"{mode}: {recomputed} of {n_layers} blocks recomputed ({how})"

@@ -20,7 +20,14 @@
 #   PYRECOVER_DIR=REPO       where train.py is (see below); PYRECOVER_MAX_RESTARTS=N (default 100)
 #   PYRECOVER_INPLACE_RESTARTS=N  a rank that crashed: run again in this allocation from latest, up to N times per
 #                            run of the job (default 2; 0: never), instead of ending the job
-#   PYRECOVER_DRY_RUN=1      print the resolved srun command line and exit 0 (no srun; checks the options and --setup)
+#   PYRECOVER_SRUN_ARGS="..."  more srun options for the training step, split on whitespace (quotes are refused), e.g.
+#                            containers: "--container-image=IMAGE --container-mounts=$PWD:$PWD --container-workdir=$PWD"
+#                            (pyxis/enroot) or "--environment=NAME" (CSCS EDF); "--cpu-bind=cores"; see docs/slurm.md
+#   PYRECOVER_DRY_RUN=1      run it on the login node before sbatch: prints the #SBATCH resources, runs
+#                            `PYTHON train.py --check <train.py flags>` here (flags, data files, tokenizer, memory
+#                            estimate, checkpoint folder, what a resume would load; exit 2 if it fails), prints the srun
+#                            line and exits 0 -- no srun. PYRECOVER_CHECK=0 skips the train.py check (e.g. when PYTHON
+#                            only exists inside the job's container)
 #
 # Edit the #SBATCH block below once for your cluster (command-line sbatch options override it, e.g.
 # `sbatch --time=12:00:00 --nodes=4 submit-training-simple.sh --distributed`). The job finds train.py in PYRECOVER_DIR,
@@ -97,6 +104,15 @@ for dir in "${PYRECOVER_DIR:-}" "$PWD" "$submit_dir"; do
 done
 [[ -n $REPO ]] || die "train.py not found in PYRECOVER_DIR (${PYRECOVER_DIR:-not set}), the job's working directory" \
     "($PWD) or the submit directory ($submit_dir): set PYRECOVER_DIR to the repository, or sbatch --chdir=REPO"
+
+# Extra srun options, split on whitespace as an unquoted shell word list would be (no globbing). Quotes would reach srun
+# as literal characters, so a value that needs them is refused rather than mangled.
+srun_extra=()
+if [[ -n ${PYRECOVER_SRUN_ARGS:-} ]]; then
+    [[ $PYRECOVER_SRUN_ARGS == *[\"\']* ]] && die "PYRECOVER_SRUN_ARGS='$PYRECOVER_SRUN_ARGS': it is split on" \
+        "whitespace and quotes are not interpreted; give options without quotes or spaces inside a value"
+    read -r -d '' -a srun_extra <<< "$PYRECOVER_SRUN_ARGS" || true  # -d '': every line, not just the first
+fi
 
 distributed=0 resume=0 nsys=0
 setup=${PYRECOVER_SETUP:-}
@@ -180,6 +196,7 @@ if [[ $distributed == 1 ]]; then
 else
     launch+=(--ntasks=1 --nodes=1)  # one process; still under srun so that --signal (without B:) reaches it
 fi
+launch+=("${srun_extra[@]}")  # after ours (a later srun option wins), before nsys (a command, not an option)
 if [[ $nsys == 1 ]]; then
     command -v nsys >/dev/null || die "--profile-nsys: nsys (NVIDIA Nsight Systems) not found on PATH"
     mkdir -p profiles
@@ -198,12 +215,40 @@ if [[ -n $setup ]]; then
          "$setup" "${run[@]}")
 fi
 
-echo "$(date -u +%FT%TZ) run $((restart + 1)) of job ${SLURM_JOB_ID:-?}${SLURM_ARRAY_TASK_ID:+ (array task $SLURM_ARRAY_TASK_ID)}:" \
-     "${launch[*]} ${run[*]}"
+# The dry run, on a login node before sbatch: what the job asks for, then train.py's own checks of its flags with the
+# same interpreter (and setup) the job uses -- a typo found now costs seconds, not a queue wait -- then the srun line.
 if [[ ${PYRECOVER_DRY_RUN:-0} == 1 ]]; then
+    script=$0
+    [[ -f $script ]] || script=$REPO/submit-training-simple.sh
+    sbatch_option() {  # the value the active #SBATCH lines give --OPTION (the last one), digits only, or nothing
+        sed -nE "s/^#SBATCH[[:space:]]+--$1[= ]([0-9]+).*/\1/p" "$script" | tail -n 1
+    }
+    echo "#SBATCH resources asked for in $script (sbatch command-line options override them):"
+    sed -nE 's/^#SBATCH[[:space:]]+/  /p' "$script"
+    if [[ ${PYRECOVER_CHECK:-1} != 0 ]]; then
+        check=("$PYTHON" "$REPO/train.py" --check)
+        # a GPU job checked on a login node without GPUs: check for CUDA (the flags after it may still say --device)
+        grep -qE '^#SBATCH[[:space:]]+--(gpus|gres=gpu)' "$script" && check+=(--device cuda)
+        per_node=1
+        if [[ $distributed == 1 ]]; then  # the ranks the #SBATCH lines ask for (inside an allocation: its own)
+            per_node=$(sbatch_option ntasks-per-node)
+            per_node=${per_node:-1}
+            nodes=$(sbatch_option nodes)
+            ranks=${SLURM_NTASKS:-$(sbatch_option ntasks)}
+            ranks=${ranks:-$(( ${nodes:-1} * per_node ))}
+            check+=(--check-world-size "$ranks")
+        fi
+        echo "checking the train.py flags here: ${check[*]} ${train_args[*]}"
+        LOCAL_WORLD_SIZE=$per_node "${check[@]}" "${train_args[@]}"
+        rc=$?
+        [[ $rc == 0 ]] || die "\`train.py --check\` failed (exit $rc, see above): fix the train.py flags (after --) or" \
+            "the files they name before submitting (PYRECOVER_CHECK=0 skips this check)"
+    fi
     printf 'dry run: '; printf '%q ' "${launch[@]}" "${run[@]}"; echo
     exit 0
 fi
+echo "$(date -u +%FT%TZ) run $((restart + 1)) of job ${SLURM_JOB_ID:-?}${SLURM_ARRAY_TASK_ID:+ (array task $SLURM_ARRAY_TASK_ID)}:" \
+     "${launch[*]} ${run[*]}"
 # A rank that crashed (a segfault, the OOM killer, an exception) ends the job step, not the allocation: the nodes are
 # still the job's, so it runs again here from `latest` -- from each node's local tier if it has one -- instead of
 # waiting in the queue. At most INPLACE_RESTARTS times per run of the job. A lost node is SLURM's to handle: srun

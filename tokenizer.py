@@ -118,6 +118,10 @@ class Tokenizer(abc.ABC):
         """Like encode_batch but one uint32 array per text (override when the library can do it faster)."""
         return [np.asarray(ids, dtype=np.uint32) for ids in self.encode_batch(texts)]
 
+    def pieces(self) -> list[str | None] | None:
+        """Each id's token text (None: an id without one), or None when the library has no such table."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
 
@@ -151,6 +155,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+    def pieces(self) -> list[str | None]:
+        return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
 
 
 class TiktokenTokenizer(Tokenizer):
@@ -278,6 +285,13 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def pieces(self) -> list[str | None]:
+        table: list[str | None] = [None] * self.vocab_size
+        for piece, i in self._tok.get_vocab(with_added_tokens=True).items():
+            if 0 <= i < self.vocab_size:
+                table[i] = piece
+        return table
+
 
 def _label(text: str) -> str:
     """A file-name-safe label: letters, digits, '.', '_' and '-' (others become '-'), at most 40 characters."""
@@ -356,6 +370,8 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
     path = Path(os.path.expanduser(str(name_or_path)))
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return HFTokenizer(path / "tokenizer.json")
+    if path.is_dir() and (path / "tokenizer.model").is_file():  # an older Hugging Face folder: SentencePiece only
+        path = path / "tokenizer.model"
     if path.is_file() and path.suffix == ".json":
         return HFTokenizer(path)
     if path.is_file() and path.suffix == ".model":
@@ -370,3 +386,48 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
         return cached
     raise DataError(f"unknown tokenizer '{name_or_path}'; use one of {', '.join(TOKENIZER_NAMES)} "
                     "or a path to a Hugging Face tokenizer.json (or a directory with one) or a SentencePiece .model")
+
+
+# --- a model folder's own tokenizer (train.py --init-from) ------------------------------------------------------------
+
+# Texts two tokenizers must encode alike to count as one vocabulary when neither lists its pieces (tiktoken, Tekken).
+_SAME_TEXTS = ("The quick brown fox jumps over the lazy dog.", "  two spaces,\ttab\n\nnewlines ",
+               "def f(x):\n    return {'a': [1, 2]}  # 3.14159", "ünïcödé café 日本語 🙂", "</s><|endoftext|>")
+
+
+def folder_tokenizer(folder: str | os.PathLike) -> str | None:
+    """What --tokenizer-name-or-path means the tokenizer a Hugging Face model folder ships (None: it has none): a
+    built-in's name when its tokenizer.model is that built-in's file byte for byte (an export of a run trained with
+    it: the same tokens, and the same token cache as the run), else the folder (its tokenizer.json, else its
+    tokenizer.model; load_tokenizer reads either)."""
+    path = Path(os.path.expanduser(str(folder)))
+    model = path / "tokenizer.model"
+    if model.is_file():
+        try:
+            builtin = package_dir("mistral_common", "mistral-common") / "data" / _SP_MODEL_FILE
+            if builtin.is_file() and builtin.stat().st_size == model.stat().st_size and \
+                    builtin.read_bytes() == model.read_bytes():
+                return DEFAULT_TOKENIZER
+        except (DataError, OSError):  # no mistral-common here: the folder's file is used as it is
+            pass
+    if (path / "tokenizer.json").is_file() or model.is_file():
+        return str(folder)
+    return None
+
+
+def vocabulary_difference(a: Tokenizer, b: Tokenizer) -> str | None:
+    """How the token ids of ``a`` and ``b`` differ (one phrase), or None when they are the same vocabulary: the same
+    size, the same text for every id where both list it, and the same ids for a few probe texts."""
+    if a.identity == b.identity:
+        return None
+    if a.vocab_size != b.vocab_size:
+        return f"{a.vocab_size} vs {b.vocab_size} tokens"
+    pa, pb = a.pieces(), b.pieces()
+    if pa is not None and pb is not None:
+        i = next((i for i, (x, y) in enumerate(zip(pa, pb)) if x != y), None)
+        if i is not None:
+            return f"token id {i} is {pa[i]!r} vs {pb[i]!r}"
+    for text, x, y in zip(_SAME_TEXTS, a.encode_batch(list(_SAME_TEXTS)), b.encode_batch(list(_SAME_TEXTS))):
+        if x != y:
+            return f"{text!r} encodes to other ids"
+    return None

@@ -73,7 +73,21 @@ def check_available(names: list[str]) -> None:
     for name in names:
         if importlib.util.find_spec(_NEEDS[name]) is None:
             raise BadInput(f"--tracker {name} needs the {_NEEDS[name]} package, which is not installed; run "
-                           f"pip install 'pyrecover[{name}]' (or pip install {_NEEDS[name]}), or drop --tracker {name}")
+                           f"{install_command(name)}, or drop --tracker {name}")
+
+
+def install_command(extra: str) -> str:
+    """The command that installs ``extra`` into the Python running this: from a checkout (pyproject.toml beside this
+    file) its extra, installed editable as docs/install.md does; else the package itself (pyrecover is not on PyPI, so
+    ``pip install 'pyrecover[...]'`` would not work). Absolute paths: it works from any folder."""
+    import shlex
+    import sys
+
+    checkout = Path(__file__).resolve().parent
+    pip = f"{shlex.quote(sys.executable)} -m pip install"
+    if (checkout / "pyproject.toml").is_file():
+        return f"{pip} -e {shlex.quote(f'{checkout}[{extra}]')}"
+    return f"{pip} {_NEEDS[extra]}"
 
 
 def _fsync_tree(folder: Path) -> None:

@@ -64,12 +64,16 @@ from checkpoint import (EVERY_RANK, FENCED, FINISHED, REQUEUE_FAILED, REQUEUED, 
                         SignalWatcher, TrainState, When, capabilities, install_signal_handlers, knobs, setup_logging,
                         unwrap_model)
 from dataset import DataError, TrainLoader, fingerprint, hold_out, load_token_windows, load_tokenizer
-from dataset import is_sharded, load_sharded_windows, token_parts
-from evaluation import EVAL_BATCH, CardMaker, batch_loss, check_prediction, evaluate, run_layout
+from dataset import is_sharded, load_sharded_windows, load_val_windows, token_parts
+from tokenizer import folder_tokenizer, vocabulary_difference
+from evaluation import (EVAL_BATCH, CardMaker, Evaluator, batch_loss, check_prediction, eval_window_count, evaluate,
+                        run_layout)
 from flags import (BadInput, apply_resume_flags, build_parser, check_flags, check_numeric_flags,  # noqa: F401 (tests)
-                   check_resume_flags, parse_args, RESOLVED_CONFIG, resolved_config)
+                   check_resume_flags, parse_args, RESOLVED_CONFIG, resolved_config, schedule_warning)
 from hf import model_config_from_hf, read_hf  # Hugging Face Llama <-> model.py names (one table)
-from metrics import Metrics, device_peak_flops, started_at
+from metrics import VAL_CSV, Metrics, device_peak_flops, started_at, val_csv_path
+from schedules import lr_lambda  # noqa: F401 (tests: the formulas of --lr-schedule)
+import schedules
 import trackers
 from model import (PRESETS, MemoryEstimate, ModelConfig, Transformer, estimate_peak_memory, flash_attention_problem,
                    get_config)
@@ -99,6 +103,8 @@ EXIT_FOR = {
     Fenced: EXIT_FENCED, CheckpointError: EXIT_FAILED,
 }
 USER_ERRORS = tuple(k for k in EXIT_FOR if isinstance(k, type))
+#: what the last line says of a run stopped before --training-steps (the policy's line before it says why)
+STOP_OUTCOMES = {REQUEUED: "requeued", STOPPED: "not requeued", REQUEUE_FAILED: "the requeue failed"}
 
 
 def exit_code(error: BaseException) -> int:
@@ -116,16 +122,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def lr_lambda(warmup: int, total: int, min_ratio: float = 0.1):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Setup: preflight (bad input, before any collective) -> the run (model, optimizer, data) -> checkpointing (resume)
 # ----------------------------------------------------------------------------------------------------------------------
@@ -138,8 +134,9 @@ class Prepared:
     tokenizer: object
     windows: object  # what training reads
     config: object
-    held_out: object  # the --eval-windows training never sees (evaluation.py), or None
+    held_out: object  # the --eval-windows (or --val-fraction) training never sees (evaluation.py), or None
     session: Session  # the run's checkpointing (its lease once every rank passed preflight)
+    val: object = None  # what evaluations read: --val-dataset's windows, else the held-out ones (or None)
     init_weights: dict | None = None  # --init-from's tensors by model.py name, until build_run copies them in
 
 
@@ -152,12 +149,15 @@ def preflight(args: argparse.Namespace, env: distributed.DistEnv, signals: Signa
     check_flags(args, writes_csv=env.is_main)
     if env.is_main:  # only rank 0 logs to a tracker: a missing package is found now, not after the data loaded
         trackers.check(args)
+        if warning := schedule_warning(args):  # on stdout with the run's other lines: stderr is for what stops it
+            log.info(warning)
     session = Session(checkpoint_settings(args, env), env, signals=signals, started=started,
                       agree=lambda v: distributed.all_reduce_max(v, env))
     session.read_ahead(args.resume_from_checkpoint)  # a restart's read overlaps the rest of the setup, until the load
     tokenizer, windows, config, held_out = check_inputs(args, env, session)
+    val = validation_set(args, env, tokenizer, held_out)
     session.check_writable()
-    prepared = Prepared(tokenizer, windows, config, held_out, session)
+    prepared = Prepared(tokenizer, windows, config, held_out, session, val=val)
     prepared.init_weights = init_from_weights(args)
     return prepared
 
@@ -176,7 +176,7 @@ def checkpoint_settings(args: argparse.Namespace, env: distributed.DistEnv) -> S
         backend_options=backend_options(args), sharded=args.distributed and args.parallel == "fsdp",
         async_save=args.async_checkpoint, jit=args.jit_checkpoint, keep=args.max_kept_checkpoints,
         keep_every=args.keep_every, keep_best=args.keep_best,
-        keep_files=("loss.csv", RESOLVED_CONFIG),  # an abandoned line's checkpoints go with its loss rows and flags
+        keep_files=("loss.csv", VAL_CSV, RESOLVED_CONFIG),  # an abandoned line's checkpoints go with its rows, flags
         mirror_dir=args.mirror_dir, mirror_every=args.mirror_every, mirror_keep=args.mirror_keep,
         mirror_timeout_s=mirror_wait, force_takeover=args.force_takeover, on_save_error=args.on_save_error, when=when,
         local_dir=args.local_checkpoint_dir, local_every=args.local_checkpoint_frequency,
@@ -195,19 +195,70 @@ def check_resume(args: argparse.Namespace, session: Session) -> None:
 def check_inputs(args: argparse.Namespace, env: distributed.DistEnv, session: Session | None = None):
     """flash-attn, the memory the configuration needs, and the data. Returns (tokenizer, training windows, model
     config, held-out windows or None)."""
-    if args.use_flash_attention and (problem := flash_attention_problem(env.device)):
-        raise BadInput(problem)
-    tokenizer = load_tokenizer(args.tokenizer_name_or_path)
-    config = model_config(args, tokenizer)
-    check_memory(args, env, config)
-    windows, held_out = hold_out(load_data(args, env, tokenizer, session), args.eval_windows)
+    tokenizer, config = check_model(args, env)
+    windows, held_out = hold_out(load_data(args, env, tokenizer, session), args.eval_windows, args.val_fraction)
     if len(windows) < args.batch_size * env.world_size:
+        cut = "--val-fraction" if args.val_fraction is not None else "--eval-windows"
         raise BadInput(
             f"--sequence-length {args.sequence_length} leaves {len(windows)} training samples in {args.dataset} "
-            f"({args.eval_windows} held out by --eval-windows), fewer than one global batch ({args.batch_size} x "
-            f"{env.world_size} ranks); use a shorter sequence, fewer --eval-windows or a larger dataset"
+            f"({len(held_out) if held_out else 0} held out by {cut}), fewer than one global batch ({args.batch_size} x "
+            f"{env.world_size} ranks); use a shorter sequence, fewer {cut} or a larger dataset"
         )
     return tokenizer, windows, config, held_out
+
+
+def validation_set(args: argparse.Namespace, env: distributed.DistEnv, tokenizer, held_out):
+    """What evaluations read (evaluation.py): --val-dataset's windows (the ranks tokenize its shards together), else
+    the held-out windows, or None. Refused in one line: a set with fewer windows than --eval-tokens asks for."""
+    val = held_out
+    if args.val_dataset is not None:
+        val = load_val_windows(args.val_dataset, tokenizer, args.sequence_length, cache_dir=args.data_cache_dir,
+                               rank=env.rank, world_size=env.world_size,
+                               exchange=lambda error: distributed.first_error(error, env),
+                               column=args.text_column)
+    if val is not None and args.eval_tokens and eval_window_count(args.eval_tokens, args.sequence_length,
+                                                                  len(val)) > len(val):
+        what = f"--val-dataset {args.val_dataset}" if args.val_dataset else "the held-out data"
+        raise BadInput(f"--eval-tokens {args.eval_tokens} needs {args.eval_tokens // args.sequence_length} windows of "
+                       f"{args.sequence_length} tokens, but {what} has {len(val)}; give --eval-tokens "
+                       f"{len(val) * args.sequence_length} or less (0 = all), or more validation data")
+    return val
+
+
+def check_model(args: argparse.Namespace, env: distributed.DistEnv, gpu_here: bool = True):
+    """flash-attn, the tokenizer, the model's shape and the memory it needs: instant, nothing tokenized. Returns
+    (tokenizer, model config). ``gpu_here`` False (--check for a GPU that is not on this machine): flash-attn and the
+    GPU's memory cannot be asked, so they are not checked."""
+    if gpu_here and args.use_flash_attention and (problem := flash_attention_problem(env.device)):
+        raise BadInput(problem)
+    tokenizer = load_tokenizer(args.tokenizer_name_or_path)
+    check_init_tokenizer(args, tokenizer)
+    config = model_config(args, tokenizer)
+    check_memory(args, env, config, compare=gpu_here)
+    return tokenizer, config
+
+
+def check_init_tokenizer(args: argparse.Namespace, tokenizer) -> None:
+    """--init-from DIR with a tokenizer of its own: its weights' embeddings are that tokenizer's ids. Not given,
+    --tokenizer-name-or-path is it (flags.default_tokenizer); given, it must be the same vocabulary (--force-tokenizer
+    trains with it anyway)."""
+    own = folder_tokenizer(args.init_from) if args.init_from else None
+    if own is None:
+        return
+    if own == args.tokenizer_name_or_path:
+        log.info(f"init-from {args.init_from}: its tokenizer {tokenizer.name} ({tokenizer.vocab_size} tokens)")
+        return
+    theirs = load_tokenizer(own)
+    differ = vocabulary_difference(tokenizer, theirs)
+    if differ is None:
+        return
+    if not args.force_tokenizer:
+        raise BadInput(f"--tokenizer-name-or-path {args.tokenizer_name_or_path} ({tokenizer.name}) is not the "
+                       f"tokenizer of --init-from {args.init_from} ({theirs.name}): {differ}, so its embeddings would "
+                       "be read as other tokens; drop --tokenizer-name-or-path to train with the folder's, or pass "
+                       "--force-tokenizer to train with this one anyway")
+    log.info(f"warning: --force-tokenizer: training --init-from {args.init_from} with tokenizer {tokenizer.name}, not "
+             f"its own {theirs.name} ({differ})")
 
 
 def hf_model_config(path, what: str) -> dict:
@@ -235,9 +286,10 @@ def model_config(args: argparse.Namespace, tokenizer) -> ModelConfig:
             raise BadInput(f"--model {args.model}: vocab_size {fields['vocab_size']} is smaller than tokenizer "
                            f"{tokenizer.name}'s {tokenizer.vocab_size} tokens; give a config with vocab_size >= "
                            f"{tokenizer.vocab_size} or another --tokenizer-name-or-path")
-        if args.sequence_length > fields["max_seq_len"]:
-            raise BadInput(f"--sequence-length {args.sequence_length} exceeds --model {args.model}'s "
-                           f"max_position_embeddings {fields['max_seq_len']}; give a shorter --sequence-length")
+        if args.sequence_length > fields["max_seq_len"]:  # RoPE has no table to outgrow: a longer context trains
+            log.info(f"note: --sequence-length {args.sequence_length} exceeds --model {args.model}'s "
+                     f"max_position_embeddings {fields['max_seq_len']}: RoPE is computed for "
+                     f"{args.sequence_length} positions (context extension; the export records the longer one)")
         config = ModelConfig(**(fields | {"max_seq_len": args.sequence_length}))
     if args.init_from:
         theirs, ours = hf_model_config(Path(args.init_from) / "config.json", "--init-from"), vars(config)
@@ -247,6 +299,15 @@ def model_config(args: argparse.Namespace, tokenizer) -> ModelConfig:
             raise BadInput(f"--init-from {args.init_from}: its config.json differs from --model {args.model}: "
                            f"{', '.join(differ)}; drop --model to take the shape from --init-from")
     return config
+
+
+def source_positions(args: argparse.Namespace) -> int | None:
+    """The max_position_embeddings of --model's config.json, at least --sequence-length (None: a preset). The card
+    records it, and an export keeps it: a model from a 4k-context config.json trained on 512-token windows still has
+    RoPE for 4k, and a later --init-from at a longer --sequence-length is not told otherwise."""
+    if args.model in PRESETS:
+        return None
+    return max(hf_model_config(args.model, "--model")["max_seq_len"], args.sequence_length)
 
 
 def init_from_weights(args: argparse.Namespace) -> dict | None:
@@ -265,11 +326,12 @@ def load_data(args: argparse.Namespace, env: distributed.DistEnv, tokenizer, ses
     """--dataset's windows. A folder or glob: the ranks tokenize its shards together (dataset.load_sharded_windows), and
     a resumed run reads the shards its checkpoint records, whatever was added since."""
     if not is_sharded(args.dataset):
-        return load_token_windows(args.dataset, tokenizer, args.sequence_length, cache_dir=args.data_cache_dir)
+        return load_token_windows(args.dataset, tokenizer, args.sequence_length, cache_dir=args.data_cache_dir,
+                                  column=args.text_column)
     return load_sharded_windows(args.dataset, tokenizer, args.sequence_length, cache_dir=args.data_cache_dir,
                                 rank=env.rank, world_size=env.world_size,
                                 exchange=lambda error: distributed.first_error(error, env),
-                                recorded=recorded_shards(args, session))
+                                recorded=recorded_shards(args, session), column=args.text_column)
 
 
 def recorded_shards(args: argparse.Namespace, session: Session | None) -> list | None:
@@ -299,7 +361,8 @@ def memory_estimate(args: argparse.Namespace, env: distributed.DistEnv, config, 
         copies = 1
     return estimate_peak_memory(dataclasses.replace(config, max_seq_len=seq_len), batch_size, seq_len,
                                 args.model_dtype, env.world_size, args.parallel if env.distributed else "single",
-                                env.device.type, "fused" if args.fused_optimizer else "default", copies)
+                                env.device.type, "fused" if args.fused_optimizer else "default", copies,
+                                args.activation_checkpointing, args.activation_checkpointing_every)
 
 
 def host_copies_per_max_async(args: argparse.Namespace, env: distributed.DistEnv) -> bool:
@@ -320,10 +383,11 @@ def largest(low: int, high: int, ok) -> int | None:
     return best
 
 
-def check_memory(args: argparse.Namespace, env: distributed.DistEnv, config) -> MemoryEstimate:
-    """Refuse, in one line, a configuration whose estimated peak memory exceeds what the device has."""
+def check_memory(args: argparse.Namespace, env: distributed.DistEnv, config, compare: bool = True) -> MemoryEstimate:
+    """Refuse, in one line, a configuration whose estimated peak memory exceeds what the device has (``compare``
+    False: the device is not on this machine, only the estimate)."""
     estimate = memory_estimate(args, env, config)
-    available, where = distributed.device_memory(env)
+    available, where = distributed.device_memory(env) if compare else (None, "")
     if available is not None and estimate.total > available:
         def fits(batch: int, seq: int, max_async: int | None = None) -> bool:
             return memory_estimate(args, env, config, batch, seq, max_async).total <= available
@@ -388,14 +452,15 @@ def build_run(args: argparse.Namespace, env: distributed.DistEnv, prepared: Prep
                 param.copy_(prepared.init_weights[name])
         log.info(f"init-from {args.init_from}: {len(prepared.init_weights)} tensors loaded")
         prepared.init_weights = None
+    model = distributed.checkpoint_activations(model, args.activation_checkpointing,
+                                               args.activation_checkpointing_every)
     model = distributed.parallelize(model.to(device=env.device, dtype=distributed.param_dtype(args.model_dtype)), env,
                                     args.parallel)
     if args.compile:
         model = torch.compile(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=tuple(args.adam_betas),
                                   weight_decay=args.weight_decay, fused=True if args.fused_optimizer else None)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.lr_warmup_steps, args.training_steps,
-                                                                       args.min_lr_ratio))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.from_flags(args))
     scaler = torch.amp.GradScaler(env.device.type, enabled=args.model_dtype == "fp16")
     loader = TrainLoader(prepared.windows, args.batch_size, env.rank, env.world_size, args.seed)
     seed_everything(args.seed + env.rank)  # per-rank streams from here on (restored from the checkpoint on resume)
@@ -466,33 +531,51 @@ def check_same_model(args: argparse.Namespace, run_info: RunInfo, config: ModelC
                        "start a new --experiment_name")
 
 
-def card_describer(args: argparse.Namespace, run: Run, prepared: Prepared, started: float):
-    """The card every checkpoint carries (evaluation.py): the run's facts, the interval's losses, and -- at a periodic
-    save -- the held-out losses. The evaluation runs where it must: rank 0, and every rank under FSDP (its forward
-    gathers the shards)."""
+def build_evaluator(args: argparse.Namespace, run: Run, prepared: Prepared, metrics: Metrics) -> Evaluator | None:
+    """The evaluations of the eval set (evaluation.py), or None without one: the same first windows every time, each
+    rank its share, the sums all-reduced; reported (log line, val CSV, trackers) by rank 0."""
+    if prepared.val is None:
+        return None
     env, model = run.env, unwrap_model(run.model)
-    probe = prepared.held_out.batch(range(min(EVAL_BATCH, len(prepared.held_out)))) if prepared.held_out else None
+    count = eval_window_count(args.eval_tokens, args.sequence_length, len(prepared.val))
+    lockstep = env.distributed and args.parallel == "fsdp"  # every forward gathers the shards: all ranks run as many
+
+    def evaluate_now() -> dict:
+        return evaluate(model, prepared.val, env.device, run.autocast, count=count, rank=env.rank,
+                        world_size=env.world_size, lockstep=lockstep,
+                        reduce=lambda values: distributed.sum_over_ranks(values, env))
+
+    when = (f"every {args.eval_every} steps and at each save" if args.eval_every else "at each save")
+    log.info(f"eval: {count} windows ({count * args.sequence_length} tokens) of "
+             f"{args.val_dataset or prepared.val.source} {when}")
+    return Evaluator(evaluate_now, args.eval_every, metrics.note_eval)
+
+
+def card_describer(args: argparse.Namespace, run: Run, prepared: Prepared, started: float,
+                   evaluator: Evaluator | None):
+    """The card every checkpoint carries (evaluation.py): the run's facts, the interval's losses, and -- at a periodic
+    save -- the evaluation of that step (every rank takes part: evaluation.evaluate)."""
+    env, model = run.env, unwrap_model(run.model)
+    probe = prepared.val.batch(range(min(EVAL_BATCH, len(prepared.val)))) if prepared.val else None
     # Only rank 0 commits a card (any rank may, in a just-in-time save): the others skip hashing the data at start-up.
     writes = env.is_main or args.jit_checkpoint
     make = CardMaker(args, env, prepared.config, model.num_params(), prepared.tokenizer.name,
-                     data_fingerprint(prepared) if writes else None, probe, started, __version__,
-                     json.loads(resolved_config(args)), shards=getattr(prepared.windows, "shards", None))
-    everyone = env.distributed and args.parallel == "fsdp"
+                     data_fingerprint(prepared, args.text_column) if writes else None, probe, started, __version__,
+                     json.loads(resolved_config(args)), shards=getattr(prepared.windows, "shards", None),
+                     max_positions=source_positions(args))
 
     def describe(step: int, metrics: Metrics, evaluate_now: bool = False) -> dict:
-        evaluation = None
-        if evaluate_now and prepared.held_out is not None and (env.is_main or everyone):
-            evaluation = evaluate(model, prepared.held_out, env.device, run.autocast)
-            metrics.note_eval(step, evaluation)  # --tracker: the card's held-out losses at this step
+        # the step's evaluation (reused if --eval-every just made it); logged, rowed and tracked at `step`
+        evaluation = evaluator(step) if evaluate_now and evaluator is not None else None
         return {"card": make(step=step, tokens_seen=run.progress.tokens_seen, losses=metrics.take_interval(),
                              lr=metrics.last_lr, evaluation=evaluation)}
 
     return describe
 
 
-def data_fingerprint(prepared: Prepared) -> str:
+def data_fingerprint(prepared: Prepared, column: str = "text") -> str:
     """The fingerprint of the tokens this run reads (training, then held out), as the card records it."""
-    return fingerprint(*token_parts(prepared.windows), *token_parts(prepared.held_out))
+    return fingerprint(*token_parts(prepared.windows), *token_parts(prepared.held_out), column=column)
 
 
 def check_same_data(args: argparse.Namespace, run: Run, prepared: Prepared, info) -> None:
@@ -503,7 +586,7 @@ def check_same_data(args: argparse.Namespace, run: Run, prepared: Prepared, info
     if saved is None:
         log.info(f"resume: {info.path} records no data fingerprint (an older checkpoint): its data is not compared")
         return
-    now = data_fingerprint(prepared)
+    now = data_fingerprint(prepared, args.text_column)
     if distributed.all_reduce_max(float(now != saved), run.env) == 0:
         return
     ours = (f"this run's --dataset {args.dataset} (tokenizer {prepared.tokenizer.name}) gives {now}" if now != saved
@@ -535,12 +618,18 @@ def validate_loaded(args: argparse.Namespace, run: Run, info) -> None:
 
 
 def build_metrics(args: argparse.Namespace, run: Run, session: Session, resumed: int | None,
-                  tokenizer) -> Metrics:
+                  tokenizer, has_val: bool = False) -> Metrics:
     # The loss CSV and profiler traces stay on local disk: next to the checkpoints, or ./logs/<experiment> for s3://.
     log_dir = session.local_log_dir(Path("logs") / args.experiment_name)
     csv_path = None
     if args.log_loss_to_csv:
         csv_path = log_dir / "loss.csv" if args.log_loss_to_csv == "auto" else Path(args.log_loss_to_csv)
+    # The val CSV: when the run validates (--eval-every, --val-dataset, --val-fraction), or a start before did (a resume
+    # without those flags still drops the rows of lost work, so none is there twice).
+    val_csv = val_csv_path(csv_path) if csv_path else None
+    validates = has_val and (args.eval_every or args.val_dataset is not None or args.val_fraction is not None)
+    if val_csv is not None and not (validates or val_csv.exists()):
+        val_csv = None
     profiler = None
     if args.profile:
         profiler = torch.profiler.profile(schedule=torch.profiler.schedule(
@@ -561,10 +650,11 @@ def build_metrics(args: argparse.Namespace, run: Run, session: Session, resumed:
                                     ) if env.is_main else []
     return Metrics(writer=env.is_main, csv_path=csv_path, resumed_step=resumed, start_step=run.progress.step,
                    total_steps=args.training_steps, every=args.logging_frequency, tokens_per_step=run.tokens_per_step,
-                   flops_per_token=model.flops_per_token(args.sequence_length), peak_flops=device_peak_flops(env.device),
+                   flops_per_token=model.flops_per_token(args.sequence_length),
+                   peak_flops=device_peak_flops(env.device, args.model_dtype),
                    world_size=env.world_size, imports=(_T_IMPORTS, _T_IMPORTED), profiler=profiler,
                    trackers=opened, tracker_dir=tracker_dir, tracker_names=tuple(names),
-                   save_records=lambda: session.history)
+                   save_records=lambda: session.history, memory=run.memory, val_csv_path=val_csv)
 
 
 def build_jit(args: argparse.Namespace, run: Run, session: Session, metrics: Metrics, describe) -> object:
@@ -618,6 +708,120 @@ def train_step(run: Run, before_update) -> tuple[float, float, torch.Tensor | No
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# --check: the pre-flight checks alone (e.g. on a login node, before sbatch)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def check_only(args: argparse.Namespace) -> int:
+    """--check: every check that needs no process group, on this machine, then exit: 0 after a summary, or 2 after one
+    error line. Nothing is trained or written, and no lease is taken (a live run of the same folder is untouched)."""
+    try:
+        lines = check_everything(args)
+    except (*USER_ERRORS, CheckpointError) as e:  # a checkpoint that cannot be read is bad input here: fix, resubmit
+        say(f"error: {e}")
+        return EXIT_BAD_INPUT
+    for line in lines:
+        print(f"check: {line}", flush=True)
+    return EXIT_FINISHED
+
+
+def check_world_size(args: argparse.Namespace) -> int:
+    """The ranks the checked run will have: --check-world-size, else the launcher's WORLD_SIZE or SLURM_NTASKS (a check
+    run inside an allocation), else 1. Without --distributed: one process."""
+    if not args.distributed:
+        if (args.check_world_size or 1) > 1:
+            raise BadInput(f"--check-world-size {args.check_world_size}: a run without --distributed is one process; "
+                           "add --distributed or drop --check-world-size")
+        return 1
+    if args.check_world_size:
+        return args.check_world_size
+    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(name, "").isdigit() and int(os.environ[name]) > 0:
+            return int(os.environ[name])
+    return 1
+
+
+def check_data_files(args: argparse.Namespace, tokenizer) -> str:
+    """--check: the data as far as it can be seen without tokenizing (minutes for a large dataset, which a login node
+    should not spend): every file a readable parquet with a string `text` column and rows, and whether its token cache
+    exists. The run itself checks the tokens (and that they fill a global batch) when it loads them."""
+    from dataset import _check_shard, cache_places, list_shards  # the check the sharded loading starts with
+
+    paths = list_shards(args.dataset)[1] if is_sharded(args.dataset) else [Path(args.dataset)]
+    cached = 0
+    for path in paths:
+        _check_shard(path, args.text_column)
+        cached += any(place.exists() for place in cache_places(path, tokenizer, args.data_cache_dir, args.text_column))
+    tokens = ("tokens cached" if cached == len(paths) else
+              f"tokens cached for {cached} of {len(paths)}: not tokenized here, the run tokenizes the rest at its "
+              "start")
+    return (f"data {args.dataset}: {len(paths)} file(s), readable, with rows and a '{args.text_column}' column; "
+            f"{tokens}")
+
+
+def check_folder_writable(session: Session) -> None:
+    """The run folder could be made and written, judged without making it (--check writes nothing): the nearest
+    folder that exists must be one this user may write into. Object storage: its probe (a small object, deleted)."""
+    if not session.filesystem:
+        session.check_writable()
+        return
+    root = Path(session.root)
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not a folder" if not existing.is_dir() else "is not writable for this user"
+        raise BadInput(f"checkpoint directory {root} cannot be written: {existing} {what}; fix its permissions or pass "
+                       "--checkpoint-dir pointing to a writable folder")
+
+
+def check_everything(args: argparse.Namespace) -> list[str]:
+    """The checks of preflight, in its order, on one process: the flags, the device and dtype, the tokenizer, the
+    model and its memory, the data's files, the checkpoint folder, and the checkpoint a resume would load (its flags
+    compared as the load will). Returns the summary lines."""
+    here = torch.cuda.is_available()
+    # --device cuda on a login node: the job's GPUs are elsewhere. What can be checked here is that this torch (the
+    # job's, when PYTHON is the job's) is a CUDA build: a CPU-only one is refused now, not after the queue.
+    elsewhere = args.device == "cuda" and not here and torch.version.cuda is not None
+    device = "cuda" if elsewhere else distributed.choose_device(args.device, cuda=here)
+    args.model_dtype = distributed.resolve_dtype(args.model_dtype, device, bf16_ok=True if elsewhere else None)
+    world = check_world_size(args)
+    env = distributed.DistEnv(world_size=world, device=torch.device("cuda", 0) if device == "cuda" else
+                              torch.device("cpu"), backend=("nccl" if device == "cuda" else "gloo") if args.distributed
+                              else None, launcher="check")
+    check_flags(args)
+    trackers.check(args)
+    session = Session(checkpoint_settings(args, env), env, agree=lambda v: v)
+    tokenizer, config = check_model(args, env, gpu_here=not elsewhere)
+    estimate = memory_estimate(args, env, config)
+    available, where = (None, "") if elsewhere else distributed.device_memory(env)
+    with torch.device("meta"):
+        params = Transformer(config).num_params()
+    data = check_data_files(args, tokenizer)
+    check_folder_writable(session)
+    resume = "would start fresh (no --resume-from-checkpoint)"
+    if args.resume_from_checkpoint:
+        found = session.peek(args.resume_from_checkpoint)
+        if found is None:
+            resume = f"would start fresh: no checkpoint in {session.root} yet"
+        else:
+            step, saved = found
+            check_resume_flags(args, saved, step)
+            resume = (f"would resume from step {step} of {session.root} (--resume-from-checkpoint "
+                      f"{args.resume_from_checkpoint})")
+    shown_device = f"{device} (the job's GPU; none on this machine)" if elsewhere else device
+    ranks = f"{world} rank(s)" + (f" ({args.parallel})" if args.distributed else "")
+    compared = ("GPU not on this machine: not compared" if elsewhere else
+                f"{where} {available / 2**20:,.1f} MiB" if available is not None else "available memory unknown")
+    return [
+        f"device {shown_device}, --model-dtype {args.model_dtype}, {ranks}",
+        f"model {args.model}: {params / 1e6:.1f}M params, tokenizer {tokenizer.name} ({tokenizer.vocab_size} tokens)",
+        f"memory estimate {estimate.total / 2**20:,.1f} MiB per rank ({compared})",
+        data,
+        f"checkpoint folder {session.root}: writable",
+        f"OK: {resume}; nothing was trained or written",
+    ]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------------------------------
 
@@ -625,6 +829,8 @@ def train_step(run: Run, before_update) -> tuple[float, float, torch.Tensor | No
 def main(argv: list[str] | None = None) -> int:
     distributed.follow_launcher(_PARENT_AT_START)  # before anything else: a rank must not outlive its torchrun
     args = parse_args(argv)
+    if args.check:  # the pre-flight checks alone: no process group, no signal handlers, nothing written
+        return check_only(args)
     started = time.time()  # --walltime counts from here
     # Then the handlers: SLURM's warning must not kill us during setup. A SIGTERM in setup ends the process at once
     # (os._exit: an exception raised from a handler can be turned into another one by the code it interrupts).
@@ -656,7 +862,10 @@ def agreed(env: distributed.DistEnv, check):
 
 def train(args: argparse.Namespace, signals: SignalWatcher, started: float) -> int:
     t_start = time.perf_counter()
-    env = distributed.init(args.distributed)
+    env = distributed.init(args.distributed, device=args.device)
+    # --model-dtype auto -> bf16 or fp32 now, before anything reads it: the memory estimate, the card, the resume
+    # comparison (a refused flag) and the evaluation's tolerance all see the dtype the run trains in
+    args.model_dtype = distributed.resolve_dtype(args.model_dtype, env.device.type)
     setup_logging(env.rank)
     # Bad input is found on every rank before any collective; then the ranks agree, so none waits for another. Only
     # then does rank 0 take the run directory (a refusal after a --force-takeover would leave no run training).
@@ -680,8 +889,9 @@ def train(args: argparse.Namespace, signals: SignalWatcher, started: float) -> i
             session.write_record(RESOLVED_CONFIG, resolved_config(args))
         except OSError as e:  # a record, not state: the card has the flags too, and a failing disk stops the next save
             say(f"warning: could not write {session.root / RESOLVED_CONFIG} ({e.strerror or e}); training continues")
-    describe = card_describer(args, run, prepared, started)
-    metrics = build_metrics(args, run, session, resumed, prepared.tokenizer)
+    metrics = build_metrics(args, run, session, resumed, prepared.tokenizer, has_val=prepared.val is not None)
+    evaluator = build_evaluator(args, run, prepared, metrics)
+    describe = card_describer(args, run, prepared, started, evaluator)
     jit = build_jit(args, run, session, metrics, describe)
     if env.distributed and args.pg_timeout_seconds:
         distributed.set_timeout(args.pg_timeout_seconds)
@@ -710,6 +920,8 @@ def train(args: argparse.Namespace, signals: SignalWatcher, started: float) -> i
             jit.end_step()
             metrics.step(run.progress.step, loss, lr, grad_norm, time.perf_counter() - t0, run.progress.tokens_seen,
                          run.progress.restarts)
+            if evaluator is not None and evaluator.due(run.progress.step):  # after the optimizer step, before a save
+                evaluator(run.progress.step)  # --eval-every: no RNG, no weight changes (evaluation.evaluate)
             if session.step_boundary(run.progress.step, card(run.progress.step)):
                 break
         problem = session.close(run.progress.step)
@@ -741,12 +953,15 @@ def finish(args: argparse.Namespace, run: Run, session: Session, metrics: Metric
         if not same:
             return EXIT_FAILED
     metrics.close()
-    log.info(f"done: {run.progress.step} steps, final loss {metrics.last_loss:.4f}, {loop_s:.1f}s in the loop")
     measured = run.memory.peak_growth()
     log.info(f"memory measured: {measured / 2**20:,.1f} MiB peak on rank 0 ({run.memory.describe()}); estimate "
               f"{run.estimate.total / 2**20:,.1f} MiB ({100 * (run.estimate.total / max(measured, 1) - 1):+.1f}%)")
     log.info(session.summary(run_s))
     outcome = session.finish(run.progress.step)  # a stop before the end: rank 0 requeues
+    # last, once the outcome is known: a stop (signal, walltime) is not "done"
+    ended = (f"done: {run.progress.step} steps" if outcome == FINISHED else
+             f"stopped at step {run.progress.step} of {args.training_steps} ({STOP_OUTCOMES[outcome]})")
+    log.info(f"{ended}, final loss {metrics.last_loss:.4f}, {loop_s:.1f}s in the loop")
     distributed.shutdown(env)
     _KEEP_UNTIL_EXIT.append(run.model)  # see __main__: freeing DDP's reducer here can hang the process
     session.release()

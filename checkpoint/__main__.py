@@ -1,7 +1,7 @@
 """`python -m checkpoint list|verify|inspect PATH` — look at checkpoints without training; `convert` between formats.
 
     list DIR [--local LOCAL]
-                   every step folder under an experiment folder: step, tokens, loss, eval loss, time, size, status
+                   every step folder under an experiment folder: step, tokens, loss, eval (val) loss, time, size, status
                    (latest, the --keep-best ones, just-in-time saves); with --local LOCAL (the run's
                    --local-checkpoint-dir), this node's local tier of the run: each rank's parts (DIR itself may be
                    a run's folder in a local tier)
@@ -92,7 +92,7 @@ def cmd_list(path: Path, local: Path | None = None) -> int:
                 marks.append("just-in-time")
             status = "  ".join(["valid"] + marks)
         print(f"{info.step:>10} {_count(progress.get('tokens_seen')):>8} {_num(progress.get('loss_last')):>8} "
-              f"{_num(card.get('eval', {}).get('eval_loss')):>8}  {saved.replace('T', ' ')[:19]:<19} "
+              f"{_num(layout.eval_loss(info) if info.manifest else None):>8}  {saved.replace('T', ' ')[:19]:<19} "
               f"{info.size_bytes / MiB:>9.1f}  {backend:<10} {ranks:>5}  {status}")
     return _list_local(local) if local is not None else 0
 

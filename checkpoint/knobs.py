@@ -36,6 +36,8 @@ PYRECOVER_LEASE_TIMEOUT_S=SECONDS              lease.py (TIMEOUT_S, at import)  
 PYRECOVER_TOKENIZE_DELAY_S=SECONDS             dataset.py (_build_cache)            test-only    tokenize_delay_s()
   each token cache stays that much longer under its temporary name before its rename (a slow tokenizer: a test
   kills the ranks mid-tokenization).
+PYRECOVER_TEST_EVAL_SLEEP=SECONDS              evaluation.py (evaluate)             test-only    eval_sleep()
+  every evaluation sleeps that long after its first batch (a test kills the run in the middle of an evaluation).
 PYRECOVER_CRASH_AT_STEP=k[:rank[:MODE]]        train.py                             test-only    crash_at_step(),
                                                                                                  install_crash_hook()
   ``rank`` (default 0) dies right after the forward pass of step k (before backward and its all-reduce): MODE
@@ -141,6 +143,12 @@ def lease_timeout_s(environ: Mapping[str, str] | None = None) -> float:
 def tokenize_delay_s(environ: Mapping[str, str] | None = None) -> float:
     """PYRECOVER_TOKENIZE_DELAY_S: extra seconds per token cache written by dataset.py (0 when unset)."""
     return _seconds("PYRECOVER_TOKENIZE_DELAY_S", 0.0, environ)
+
+
+def eval_sleep(environ: Mapping[str, str] | None = None) -> float | None:
+    """PYRECOVER_TEST_EVAL_SLEEP: seconds each evaluation sleeps after its first batch (None when unset)."""
+    seconds = _seconds("PYRECOVER_TEST_EVAL_SLEEP", 0.0, environ)
+    return seconds or None
 
 
 def crash_at_step(environ: Mapping[str, str] | None = None) -> tuple[int, int, str] | None:

@@ -370,7 +370,8 @@ META_SCHEMA = {
         "progress": {"step": _is_count, "tokens_seen": _is_count, "loss_last": _OPT_NUM, "loss_mean": _OPT_NUM,
                      "loss_steps": _is_count, "learning_rate": _OPT_NUM},
         "time": {"saved_utc": str, "run_wall_s": _is_number},
-        "eval": {"probe_loss": _is_number, "eval_loss": _is_number, "probe_tokens": (_is_token_rows, type(None))},
+        "eval": {"probe_loss": _is_number, "eval_loss": _is_number, "probe_tokens": (_is_token_rows, type(None)),
+                 "val_loss": _is_number, "val_ppl": _is_number, "val_tokens": _is_count},
     },
 }
 
@@ -618,12 +619,14 @@ class NoValidCheckpoint(CheckpointError):
 
 
 def eval_loss(info: CheckpointInfo) -> float | None:
-    """The held-out loss in a committed checkpoint's card (evaluation.py), or None (none recorded, or unreadable)."""
+    """The validation loss in a committed checkpoint's card (evaluation.py: the val loss; an older card's held-out
+    eval loss), or None (none recorded, or unreadable)."""
     try:
         manifest = info.manifest or read_manifest(info.path)
     except (CheckpointError, OSError):
         return None
-    value = manifest.get("meta", {}).get("card", {}).get("eval", {}).get("eval_loss")
+    recorded = manifest.get("meta", {}).get("card", {}).get("eval", {})
+    value = recorded.get("val_loss", recorded.get("eval_loss"))
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 

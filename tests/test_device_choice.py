@@ -89,3 +89,87 @@ def test_init_refuses_two_gpus_for_four_ranks(monkeypatch):
     with pytest.raises(LaunchError, match="LOCAL_RANK 2 of 4 ranks on this node sees 2 CUDA device"):
         distributed.init(True)
     assert fake.set_to == [] and fake.pg == {}  # refused before touching a device or the process group
+
+
+# --- --device and --model-dtype auto (distributed.choose_device / resolve_dtype) -----------------------------------------
+
+SLURM_JOB = {"SLURM_JOB_ID": "7"}
+
+
+@pytest.mark.parametrize("environ, shown", [
+    ({}, None),
+    ({"SLURM_GPUS_ON_NODE": "4"}, None),  # not a SLURM job: a stale variable allocates nothing
+    ({"CUDA_VISIBLE_DEVICES": "0"}, None),
+    ({**SLURM_JOB, "SLURM_GPUS_ON_NODE": "4"}, "SLURM_GPUS_ON_NODE=4"),
+    ({**SLURM_JOB, "SLURM_GPUS_ON_NODE": "0"}, None),
+    ({**SLURM_JOB, "CUDA_VISIBLE_DEVICES": "0,1"}, "CUDA_VISIBLE_DEVICES=0,1"),
+    ({**SLURM_JOB, "CUDA_VISIBLE_DEVICES": ""}, None), ({**SLURM_JOB, "CUDA_VISIBLE_DEVICES": "-1"}, None),
+    ({**SLURM_JOB, "CUDA_VISIBLE_DEVICES": "NoDevFiles"}, None),  # what SLURM sets when a job has no GPUs
+])
+def test_gpus_allocated_reads_the_slurm_variables(environ, shown):
+    assert distributed.gpus_allocated(environ) == shown
+
+
+def test_choose_device_rule():
+    assert distributed.choose_device("auto", {}, cuda=True) == "cuda"
+    assert distributed.choose_device("auto", {}, cuda=False) == "cpu"
+    assert distributed.choose_device("cpu", {**SLURM_JOB, "SLURM_GPUS_ON_NODE": "4"}, cuda=True) == "cpu"
+    assert distributed.choose_device("cuda", {}, cuda=True) == "cuda"
+    for requested, environ, needle in [("cuda", {}, "--device cuda, but torch.cuda.is_available() is False"),
+                                       ("auto", {**SLURM_JOB, "SLURM_GPUS_ON_NODE": "2"}, "SLURM_GPUS_ON_NODE=2")]:
+        with pytest.raises(LaunchError) as e:
+            distributed.choose_device(requested, environ, cuda=False)
+        assert "\n" not in str(e.value) and needle in str(e.value) and "--device cpu" in str(e.value), str(e.value)
+
+
+def test_model_dtype_auto_is_bf16_on_a_gpu_with_it_and_fp32_otherwise():
+    assert distributed.resolve_dtype("auto", "cpu") == "fp32"
+    assert distributed.resolve_dtype("auto", "cuda", bf16_ok=True) == "bf16"
+    assert distributed.resolve_dtype("auto", "cuda", bf16_ok=False) == "fp32"
+    assert distributed.resolve_dtype("fp16", "cuda", bf16_ok=True) == "fp16"  # given: unchanged
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where torch cannot use CUDA")
+def test_no_cuda_is_one_line_through_the_cli(tmp_path):
+    """--device cuda without CUDA, and a SLURM job given GPUs (simulated by its variables) whose torch cannot use them:
+    one line each, exit 2, before any training (nothing written)."""
+    from helpers import TINY, run_train
+
+    base = TINY + ["--training-steps", "2", "--checkpoint-dir", str(tmp_path / "ck")]
+    cuda = run_train(base + ["--device", "cuda"])
+    slurm = run_train(base, env={"SLURM_JOB_ID": "7", "SLURM_GPUS_ON_NODE": "4"})
+    for proc, needle in [(cuda, "error: --device cuda, but torch.cuda.is_available() is False"),
+                         (slurm, "error: this SLURM job has GPUs (SLURM_GPUS_ON_NODE=4), but torch.cuda.is_available() "
+                                 "is False")]:
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith(needle), proc.stderr
+        if torch.version.cuda is None:
+            assert "CPU-only build (torch.version.cuda is None)" in proc.stderr, proc.stderr
+    assert not (tmp_path / "ck").exists()
+
+
+# --- MFU: the peak of the dtype in use, GPU names matched whole (metrics.peak_flops) -------------------------------------
+
+@pytest.mark.parametrize("name, model", [
+    ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
+    ("NVIDIA H200", "H200 SXM"), ("NVIDIA H200 NVL", "H200 NVL"), ("NVIDIA GH200 480GB", "GH200"),
+    ("NVIDIA GH200 144G HBM3e", "GH200"), ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA A100-SXM4-40GB", "A100"),
+    ("NVIDIA A100-PCIE-40GB", "A100"), ("NVIDIA A100 80GB PCIe", "A100"), ("NVIDIA A10", "A10"),
+    ("NVIDIA B200", "B200"), ("NVIDIA L40S", "L40S"), ("NVIDIA L40", "L40"), ("  NVIDIA  H200 ", "H200 SXM"),
+    # substrings of a known name are not that GPU: no MFU rather than a wrong one
+    ("NVIDIA A10G", None), ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", None), ("Tesla V100-SXM2-32GB", None),
+    ("NVIDIA GeForce RTX 4090", None), ("", None),
+])
+def test_gpu_names_map_to_the_datasheet_model(name, model):
+    from metrics import gpu_model
+
+    assert gpu_model(name) == model
+
+
+def test_peak_flops_is_the_dtype_in_use():
+    from metrics import peak_flops
+
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == peak_flops("NVIDIA H100 80GB HBM3", "fp16") == 989.5e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", "fp32") == 67e12
+    assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756.5e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "fp32") == 19.5e12
+    assert peak_flops("NVIDIA H200", "fp64") is None and peak_flops("NVIDIA A10G", "bf16") is None

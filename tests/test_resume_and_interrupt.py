@@ -136,6 +136,10 @@ def test_ctrl_c_saves_at_the_next_step_and_resume_is_bitwise(tmp_path, corpus):
     assert len(said) == 1 and said[0][0] == said[0][1], out[-3000:]
     stop = int(said[0][0])
     assert 5 <= stop < STEPS and _committed_steps(run / "default") == [stop]
+    # the last line says it stopped, not "done"; the first step has a line of its own (not a terminal: plain lines)
+    assert re.search(rf"^stopped at step {stop} of {STEPS} \(not requeued\), final loss ", out, re.M), out[-3000:]
+    assert "done:" not in out
+    assert re.search(rf"^step 1/{STEPS} loss \S+ lr \S+ .* peak_rss [\d,]+MiB eta ", out, re.M), out[-3000:]
     assert csv_rows(run / "default" / "loss.csv") == stop
 
     resumed = run_train(flags + ["--checkpoint-dir", str(run), "--resume-from-checkpoint", "latest"], check=True)

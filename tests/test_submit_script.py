@@ -1,7 +1,9 @@
 """submit-training-simple.sh's own options, without SLURM: PYRECOVER_DRY_RUN=1 runs the real script up to the srun line
 and prints it (shell-quoted) instead of running it. Valued options take `--opt=VALUE` and `--opt VALUE`; the setup hook
 (--setup / PYRECOVER_SETUP) is checked before srun and wraps each task as `bash -c 'source SETUP && exec ...'`.
-That the hook really runs on every node of a job is tests/slurm/test_setup_hook.py."""
+That the hook really runs on every node of a job is tests/slurm/test_setup_hook.py. The dry run also runs
+`train.py --check` with the job's flags (off here, PYRECOVER_CHECK=0, except in the tests of that check: each costs a
+torch import); PYRECOVER_SRUN_ARGS adds srun options (for real on the SLURM test cluster: tests/slurm/test_submit_dir.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import ROOT  # noqa: E402
+from helpers import PY, ROOT  # noqa: E402
 
 SCRIPT = ROOT / "submit-training-simple.sh"
 
@@ -22,7 +24,8 @@ SCRIPT = ROOT / "submit-training-simple.sh"
 def dry_run(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PYRECOVER_"))}
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=30, cwd=cwd or ROOT,
-                          env={**base, "PYRECOVER_DRY_RUN": "1", "PYTHON": "python3", **(env or {})})
+                          env={**base, "PYRECOVER_DRY_RUN": "1", "PYRECOVER_CHECK": "0", "PYTHON": "python3",
+                               **(env or {})})
 
 
 def command(proc: subprocess.CompletedProcess) -> list[str]:
@@ -128,3 +131,33 @@ def test_a_bad_inplace_restart_count_is_one_line_and_exit_2(value):
         return
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc
     assert f"PYRECOVER_INPLACE_RESTARTS='{value}'" in proc.stderr and "whole number" in proc.stderr, proc.stderr
+
+
+def test_srun_args_go_on_the_srun_line_before_python_and_quotes_are_refused():
+    argv = command(dry_run("--distributed", env={"PYRECOVER_SRUN_ARGS": " --label\n--cpu-bind=none  --container-image=a.sqsh "}))
+    i = argv.index("srun")
+    assert argv[i + 1:i + 5] == ["--kill-on-bad-exit=0", "--label", "--cpu-bind=none", "--container-image=a.sqsh"], argv
+    assert argv[i + 5:i + 7] == ["python3", f"{ROOT}/train.py"], argv
+    proc = dry_run(env={"PYRECOVER_SRUN_ARGS": "--container-mounts='/a b:/a b'"})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "PYRECOVER_SRUN_ARGS" in proc.stderr, proc
+    assert "srun" not in proc.stdout
+
+
+def test_dry_run_checks_the_train_flags_here_first_and_a_bad_one_is_exit_2_before_srun(tmp_path, corpus):
+    """The job's interpreter runs `train.py --check` with the job's flags on the login node: a typo costs seconds, not a
+    queue wait. The dry run shows the #SBATCH resources and the srun line once."""
+    bad = dry_run("--exp_name=x", "--", "--bogus-flag", "3", "--learning-rate", "abc",
+                  env={"PYTHON": PY, "PYRECOVER_CHECK": "1"})
+    assert bad.returncode == 2, bad
+    assert "--learning-rate" in bad.stderr and "train.py --check` failed (exit 2" in bad.stderr, bad.stderr
+    assert "dry run: srun" not in bad.stdout and "--ntasks-per-node=4" in bad.stdout, bad.stdout
+    ck = tmp_path / "ck"
+    good = dry_run("--distributed", "--exp_name=x", "--", "--model", "tiny", "--dataset", corpus, "--checkpoint-dir",
+                   str(ck), env={"PYTHON": PY, "PYRECOVER_CHECK": "1"})
+    argv = command(good)
+    assert after(argv)[:3] == ["--distributed", "--experiment_name", "x"] and "--check" not in argv, argv
+    out = good.stdout
+    assert "  --ntasks-per-node=4" in out and "  --time=04:00:00" in out, out  # the script's own #SBATCH lines
+    assert "4 rank(s) (ddp)" in out and "check: OK: would start fresh" in out, out  # nodes x ntasks-per-node ranks
+    assert out.count("srun") == 1 and out.index("check: OK") < out.index("dry run: srun"), out
+    assert not ck.exists()  # the check writes nothing

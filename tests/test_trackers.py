@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -60,8 +61,9 @@ def test_tensorboard_has_every_step_once_after_kill_and_resume(killed_and_resume
         # float32 in the event file: the CSV's value rounded the same way
         import numpy as np
         assert [e.value for e in events] == [float(np.float32(csv[e.step][column])) for e in events], tag
-    for tag in ("train/grad_norm", "perf/tokens_per_s", "perf/step_s", "train/tokens_seen"):
+    for tag in ("train/grad_norm", "perf/tokens_per_s", "perf/step_s", "train/tokens_seen", "memory/peak_rss_mib"):
         assert [e.step for e in acc.Scalars(tag)] == list(range(1, STEPS + 1)), tag
+    assert all(e.value > 0 for e in acc.Scalars("memory/peak_rss_mib"))  # rank 0's resident set, this step's peak
     assert [e.step for e in acc.Scalars("eval/loss")] == [4, 8, 12]  # the card's held-out loss at each save
     # blocked/persist times: once per save (the killed run's save at 4 was logged at step 5, purged with it)
     assert [int(e.value) for e in acc.Scalars("checkpoint/step")] == [8, 12]
@@ -106,13 +108,14 @@ def run_train_module_checkpoint(args: list[str]):
 
 
 def test_plain_batch_log_lines_carry_lr_and_eta(killed_and_resumed):
-    """Not a terminal: one plain line per --logging-frequency steps, with the learning rate the CSV records and an
-    ETA (h:mm:ss) that reaches 0 at the last step."""
+    """Not a terminal: one plain line per --logging-frequency steps and at the incarnation's first step, with the
+    learning rate the CSV records, the step's peak memory and an ETA (h:mm:ss) that reaches 0 at the last step."""
     run, stdout = killed_and_resumed
     csv = _csv(run)
-    line = re.compile(r"^step (\d+)/12 loss (\S+) lr (\S+) tok/s \S+ step_s \S+ gnorm \S+ eta (\d+):(\d\d):(\d\d)$")
+    line = re.compile(r"^step (\d+)/12 loss (\S+) lr (\S+) tok/s \S+ step_s \S+ gnorm \S+ peak_rss [\d,]+MiB "
+                      r"eta (\d+):(\d\d):(\d\d)$")
     found = [m for m in map(line.match, stdout.splitlines()) if m]
-    assert [int(m[1]) for m in found] == [6, 8, 10, 12], stdout
+    assert [int(m[1]) for m in found] == [5, 6, 8, 10, 12], stdout  # resumed from step 4: its first step is 5
     for m in found:
         step = int(m[1])
         assert m[2] == f"{csv[step][0]:.4f}" and m[3] == f"{csv[step][1]:.3e}", m[0]
@@ -180,7 +183,9 @@ def test_tracker_problems_are_one_line_in_preflight(tmp_path, corpus):
                      env={"PYTHONPATH": f"{shim}:{ROOT}"})
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1, (proc.stdout[-2000:], proc.stderr[-2000:])
-    assert "pip install 'pyrecover[wandb]'" in errors[0] and "Traceback" not in proc.stderr, errors[0]
+    # the command that works from this checkout (pyrecover is not on PyPI): the extra, editable, into this Python
+    assert f"{shlex.quote(PY)} -m pip install -e {shlex.quote(f'{ROOT}[wandb]')}" in errors[0], errors[0]
+    assert "Traceback" not in proc.stderr
     assert not (tmp_path / "default" / "tensorboard").exists()  # refused before anything was opened or trained
     (tmp_path / "a-file").write_text("")
     proc = run_train(base + ["--tracker", "tensorboard", "--tracker-dir", str(tmp_path / "a-file")], timeout=120)

@@ -115,3 +115,45 @@ def test_ddp_two_ranks_on_gloo_keeps_replicas_identical(tmp_path, corpus):
     assert "2 rank(s) on cpu (gloo)" in proc.stdout
     assert "replica check: parameters identical across 2 ranks" in proc.stdout
     assert re.search(r"checkpoint step 6 committed", proc.stdout)
+
+
+def test_a_terminal_without_a_width_gets_plain_lines(tmp_path, corpus):
+    """Some `srun --pty` wrappers give a pty of 0 x 0: tqdm draws nothing there, so the run prints its plain lines (a
+    real pty, its size set to 0 x 0 as such a wrapper leaves it)."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import termios
+    import time
+
+    parent, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
+    env = env_for_tests()
+    for name in ("COLUMNS", "LINES"):
+        env.pop(name, None)
+    proc = subprocess.Popen([PY, str(ROOT / "train.py"), *TINY, "--dataset", corpus, "--training-steps", "2",
+                             "--checkpoint-dir", str(tmp_path)], stdin=child, stdout=child, stderr=child, env=env,
+                            cwd=ROOT)
+    os.close(child)
+    out, deadline = b"", time.monotonic() + 120
+    while time.monotonic() < deadline:  # until the pty closes (EIO once the run, its only writer, has exited)
+        if not select.select([parent], [], [], 1)[0]:
+            continue
+        try:
+            data = os.read(parent, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        out += data
+    os.close(parent)
+    try:
+        rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        proc.kill()  # a no-op unless it timed out
+    assert rc == 0, out.decode(errors="replace")[-3000:]
+    text = out.decode(errors="replace")
+    assert re.search(r"^step 1/2 loss \S+ lr \S+ .* peak_rss [\d,]+MiB eta ", text, re.M), text[-3000:]
+    assert re.search(r"^step 2/2 loss ", text, re.M) and "done: 2 steps" in text, text[-3000:]

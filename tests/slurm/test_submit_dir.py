@@ -16,21 +16,24 @@ pytestmark = pytest.mark.slurm
 SCRIPT = ROOT / "submit-training-simple.sh"
 
 
-def submit(cluster, tmp_path: Path, name: str, chdir: Path, script_args: list[str]) -> tuple[int, Path]:
+def submit(cluster, tmp_path: Path, name: str, chdir: Path, script_args: list[str],
+           env: dict | None = None) -> tuple[int, Path]:
     elsewhere = tmp_path / "elsewhere"  # the submit directory: no train.py here
     elsewhere.mkdir(exist_ok=True)
     out = tmp_path / f"{name}.out"  # absolute: the job's working directory may be the repository
     job = cluster.sbatch(str(SCRIPT), f"--job-name=pyr-{name}", "--ntasks-per-node=1", "--time=5", f"--chdir={chdir}",
                          f"--output={out}", script_args=script_args,
-                         env={"PYTHON": PY, "OMP_NUM_THREADS": "1", "PYRECOVER_DIR": None}, cwd=elsewhere)
+                         env={"PYTHON": PY, "OMP_NUM_THREADS": "1", "PYRECOVER_DIR": None, **(env or {})},
+                         cwd=elsewhere)
     return job, out
 
 
 def test_chdir_to_the_repository_from_another_directory_runs_train_py(slurm_cluster, tmp_path, corpus):
+    """Also PYRECOVER_SRUN_ARGS: its --label reaches srun, which then prefixes every line of the task with its id."""
     ck = tmp_path / "ck"
     job, out = submit(slurm_cluster, tmp_path, "chdir-repo", ROOT,
                       ["--exp_name=chdir", "--log-loss-to-csv", "--", *TINY, "--training-steps", "3",
-                       "--dataset", corpus, "--checkpoint-dir", str(ck)])
+                       "--dataset", corpus, "--checkpoint-dir", str(ck)], env={"PYRECOVER_SRUN_ARGS": "--label"})
     try:
         info = slurm_cluster.wait_for_state(job, "COMPLETED", timeout=240)
     except AssertionError as e:
@@ -40,6 +43,8 @@ def test_chdir_to_the_repository_from_another_directory_runs_train_py(slurm_clus
     assert info["ExitCode"] == "0:0", (info, log)
     assert f"{ROOT}/train.py" in log, log  # the repository's train.py, found through the job's working directory
     assert "done: 3 steps" in log and "training finished" in log, log
+    assert any(line.startswith("0: ") and "done: 3 steps" in line for line in log.splitlines()), log  # srun --label
+    assert "srun --kill-on-bad-exit=0 --ntasks=1 --nodes=1 --label " in log, log
     assert csv_rows(ck / "chdir" / "loss.csv") == 3
 
 
