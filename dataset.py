@@ -723,7 +723,7 @@ def pin_shards(spec: str, base: Path, paths: list[Path], recorded: list) -> tupl
     return pinned, note
 
 
-def _check_shard(path: Path, column: str = DEFAULT_COLUMN) -> None:
+def check_shard(path: Path, column: str = DEFAULT_COLUMN) -> None:
     """What can be seen without tokenizing (the same on every rank): a readable file, the text column, rows."""
     if not _open_data(path, column).has_rows():
         raise _no_tokens_error(path, column)
@@ -850,7 +850,7 @@ def load_sharded_windows(spec: str | os.PathLike, tokenizer: Tokenizer, seq_len:
     if note and verbose and rank == 0:
         _log(note)
     for p in paths:
-        _check_shard(p, column)
+        check_shard(p, column)
     error = None
     try:
         prepare_shards(paths, tokenizer, cache_dir, rank, world_size, verbose, column)
@@ -1087,7 +1087,7 @@ def _cmd_prepare(args) -> None:
     if is_sharded(args.data):
         base, paths = list_shards(args.data)
         for p in paths:
-            _check_shard(p, args.column)
+            check_shard(p, args.column)
         tok = load_tokenizer(args.tokenizer)
         t0 = time.perf_counter()
         ntok = prepare_with_workers(paths, args.tokenizer, args.workers, args.cache_dir, args.column)

@@ -18,7 +18,6 @@ import dataclasses
 import importlib
 import json
 import logging
-import math
 import os
 import random
 import signal
@@ -741,22 +740,21 @@ def check_world_size(args: argparse.Namespace) -> int:
     return 1
 
 
-def check_data_files(args: argparse.Namespace, tokenizer) -> str:
+def check_data_files(args: argparse.Namespace, tokenizer, spec: str, flag: str = "--dataset") -> str:
     """--check: the data as far as it can be seen without tokenizing (minutes for a large dataset, which a login node
-    should not spend): every file a readable parquet with a string `text` column and rows, and whether its token cache
-    exists. The run itself checks the tokens (and that they fill a global batch) when it loads them."""
-    from dataset import _check_shard, cache_places, list_shards  # the check the sharded loading starts with
+    should not spend): every file readable (parquet or JSON Lines) with rows and the --text-column, and whether its
+    token cache exists. The run itself checks the tokens (and that they fill a global batch) when it loads them."""
+    from dataset import cache_places, check_shard, list_shards  # the check the sharded loading starts with
 
-    paths = list_shards(args.dataset)[1] if is_sharded(args.dataset) else [Path(args.dataset)]
+    paths = list_shards(spec)[1] if is_sharded(spec) else [Path(spec)]
     cached = 0
     for path in paths:
-        _check_shard(path, args.text_column)
+        check_shard(path, args.text_column)
         cached += any(place.exists() for place in cache_places(path, tokenizer, args.data_cache_dir, args.text_column))
     tokens = ("tokens cached" if cached == len(paths) else
               f"tokens cached for {cached} of {len(paths)}: not tokenized here, the run tokenizes the rest at its "
               "start")
-    return (f"data {args.dataset}: {len(paths)} file(s), readable, with rows and a '{args.text_column}' column; "
-            f"{tokens}")
+    return f"{flag} {spec}: {len(paths)} file(s), readable, with rows and a '{args.text_column}' column; {tokens}"
 
 
 def check_folder_writable(session: Session) -> None:
@@ -795,7 +793,9 @@ def check_everything(args: argparse.Namespace) -> list[str]:
     available, where = (None, "") if elsewhere else distributed.device_memory(env)
     with torch.device("meta"):
         params = Transformer(config).num_params()
-    data = check_data_files(args, tokenizer)
+    data = [check_data_files(args, tokenizer, args.dataset)]
+    if args.val_dataset:
+        data.append(check_data_files(args, tokenizer, args.val_dataset, "--val-dataset"))
     check_folder_writable(session)
     resume = "would start fresh (no --resume-from-checkpoint)"
     if args.resume_from_checkpoint:
@@ -815,7 +815,7 @@ def check_everything(args: argparse.Namespace) -> list[str]:
         f"device {shown_device}, --model-dtype {args.model_dtype}, {ranks}",
         f"model {args.model}: {params / 1e6:.1f}M params, tokenizer {tokenizer.name} ({tokenizer.vocab_size} tokens)",
         f"memory estimate {estimate.total / 2**20:,.1f} MiB per rank ({compared})",
-        data,
+        *data,
         f"checkpoint folder {session.root}: writable",
         f"OK: {resume}; nothing was trained or written",
     ]

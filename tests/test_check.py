@@ -30,11 +30,14 @@ def test_check_says_what_a_resume_would_load_and_writes_nothing(tmp_path, corpus
     assert lines[-1].startswith("check: OK: would resume from step 4 "), ok.stdout
     assert tree(ck) == before  # nothing trained, saved, leased or rewritten
 
-    fresh = run_train(flags + ["--experiment_name", "new", "--dry-run"])  # the alias; a run folder not there yet
+    fresh = run_train(flags + ["--experiment_name", "new", "--dry-run",  # the alias; a run folder not there yet
+                               "--val-dataset", corpus, "--eval-every", "2"])
     assert fresh.returncode == 0 and "would start fresh (no --resume-from-checkpoint)" in fresh.stdout, fresh
+    assert f"check: --val-dataset {corpus}: 1 file(s), readable" in fresh.stdout, fresh.stdout  # its files looked at
     assert not (ck / "new").exists()
 
     for extra, needle in [(["--dataset", str(tmp_path / "nope.parquet")], "nope.parquet"),
+                          (["--val-dataset", str(tmp_path / "val.parquet")], "val.parquet"),
                           (["--resume-from-checkpoint", "latest", "--model-dtype", "bf16"], "--model-dtype bf16 differs")]:
         bad = run_train(flags + ["--training-steps", "6", "--check", *extra])
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and bad.stderr.startswith("error: "), bad
