@@ -239,6 +239,9 @@ class _JsonLines:
             where = f"after line {lineno}" if lineno else "from its start"
             raise DataError(f"{self.path} is corrupt: it cannot be read {where} ({brief_error(e)}); replace or remove "
                             "that file") from None
+        except OSError as e:  # unreadable (permissions, an I/O error): the user's to fix, like a parquet file's
+            raise DataError(f"{self.path} cannot be read ({e.strerror or e}); check that it exists and that this user "
+                            "may read it") from None
 
     def texts(self) -> Iterator[str | None]:
         for lineno, record in self._records():
@@ -611,9 +614,14 @@ def load_val_windows(spec: str, tokenizer: Tokenizer, seq_len: int, *, cache_dir
             return load_token_windows(spec, tokenizer, seq_len, cache_dir=cache_dir, column=column)
         return load_sharded_windows(spec, tokenizer, seq_len, cache_dir=cache_dir, rank=rank, world_size=world_size,
                                     exchange=exchange, column=column)
-    except DataError as e:  # the loaders' lines, about --val-dataset
-        line = str(e).replace("--dataset", "--val-dataset")
-        raise DataError(line if "--val-dataset" in line else f"--val-dataset {spec}: {line}") from None
+    except DataError as e:
+        raise about_val_dataset(e, spec) from None
+
+
+def about_val_dataset(error: DataError, spec: str) -> DataError:
+    """The loaders' line, about --val-dataset rather than --dataset."""
+    line = str(error).replace("--dataset", "--val-dataset")
+    return DataError(line if "--val-dataset" in line else f"--val-dataset {spec}: {line}")
 
 
 def token_parts(windows) -> list[np.ndarray]:

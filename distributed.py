@@ -160,7 +160,7 @@ def resolve_dtype(name: str, device_type: str, bf16_ok: bool | None = None) -> s
     if device_type != "cuda":
         return "fp32"
     if bf16_ok is None:
-        bf16_ok = torch.cuda.is_bf16_supported()
+        bf16_ok = torch.cuda.is_bf16_supported(including_emulation=False)  # a V100 would emulate it: slow, no tensor cores
     return "bf16" if bf16_ok else "fp32"  # e.g. V100: no bf16; fp16 would need loss scaling, fp32 is the safe choice
 
 

@@ -114,8 +114,9 @@ class Evaluator:
     the log line, the val CSV row, the trackers. Every rank calls it at the same steps (its forwards and the
     all-reduce are collective ones)."""
 
-    def __init__(self, evaluate_at, every: int, report):
+    def __init__(self, evaluate_at, every: int, report, *, count: int, probe_at):
         self.evaluate_at, self.every, self.report = evaluate_at, every, report
+        self.count, self.probe_at = count, probe_at  # windows each evaluation reads; the probe batch's loss
         self._last: tuple[int, dict] | None = None
 
     def due(self, step: int) -> bool:
@@ -126,6 +127,13 @@ class Evaluator:
             self._last = (step, self.evaluate_at())
             self.report(step, self._last[1])
         return self._last[1]
+
+    def probe_only(self, step: int) -> dict:
+        """A stop's card: this step's evaluation if --eval-every already made it, else only the probe loss (what
+        --validate-on-resume and `evaluation.py validate` check): one forward, nothing reported."""
+        if self._last is not None and self._last[0] == step:
+            return self._last[1]
+        return {"probe_loss": self.probe_at()}
 
 
 def git_commit(where: Path = Path(__file__).resolve().parent) -> str | None:

@@ -188,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
               "where the GPU has no bf16), fp32 on CPU -- resolved at start, the checkpoint records the dtype used")
     flag("--fused-optimizer", action="store_true", help="use the fused AdamW kernel")
     flag("--compile", action="store_true", help="torch.compile the model")
+    flag("--deterministic", action="store_true",
+         help="torch.use_deterministic_algorithms(True) (and CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set), before any "
+              "CUDA work: deterministic CUDA kernels, at a cost in speed (an op with none is an error); may change on "
+              "resume")
     flag("--activation-checkpointing", default="none", choices=list(ACTIVATION_CHECKPOINTING),
          help="recompute blocks' activations in backward instead of keeping them: full = every transformer block, "
               "selective = one block in --activation-checkpointing-every; same results, less memory, ~1/3 more compute "
@@ -483,6 +487,7 @@ def check_numeric_flags(args: argparse.Namespace) -> None:
 # position and RNG were made with the saved value, so a new one could not apply -- exit 2 instead of a half-applied run.
 RESUME_APPLIED = ("val_dataset", "eval_every", "eval_tokens",  # evaluation only: training reads none of them
                   "learning_rate", "lr_warmup_steps", "training_steps", "grad_max_norm", "fused_optimizer", "compile",
+                  "deterministic",  # kernels: from the resumed step on, bitwise neither a run with nor one without
                   "activation_checkpointing", "activation_checkpointing_every",  # memory and time, not results
                   "batch_size", "lr_schedule", "lr_decay_steps", "lr_decay_fraction")
 RESUME_REFUSED = (("model", "the weights are that model's"),

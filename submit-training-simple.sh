@@ -196,7 +196,7 @@ if [[ $distributed == 1 ]]; then
 else
     launch+=(--ntasks=1 --nodes=1)  # one process; still under srun so that --signal (without B:) reaches it
 fi
-launch+=("${srun_extra[@]}")  # after ours (a later srun option wins), before nsys (a command, not an option)
+launch+=(${srun_extra[@]+"${srun_extra[@]}"})  # bash < 4.4 under set -u: an empty array is "unbound"  # after ours (a later srun option wins), before nsys (a command, not an option)
 if [[ $nsys == 1 ]]; then
     command -v nsys >/dev/null || die "--profile-nsys: nsys (NVIDIA Nsight Systems) not found on PATH"
     mkdir -p profiles

@@ -63,7 +63,7 @@ from checkpoint import (EVERY_RANK, FENCED, FINISHED, REQUEUE_FAILED, REQUEUED, 
                         SignalWatcher, TrainState, When, capabilities, install_signal_handlers, knobs, setup_logging,
                         unwrap_model)
 from dataset import DataError, TrainLoader, fingerprint, hold_out, load_token_windows, load_tokenizer
-from dataset import is_sharded, load_sharded_windows, load_val_windows, token_parts
+from dataset import about_val_dataset, is_sharded, load_sharded_windows, load_val_windows, token_parts
 from tokenizer import folder_tokenizer, vocabulary_difference
 from evaluation import (EVAL_BATCH, CardMaker, Evaluator, batch_loss, check_prediction, eval_window_count, evaluate,
                         run_layout)
@@ -547,7 +547,10 @@ def build_evaluator(args: argparse.Namespace, run: Run, prepared: Prepared, metr
     when = (f"every {args.eval_every} steps and at each save" if args.eval_every else "at each save")
     log.info(f"eval: {count} windows ({count * args.sequence_length} tokens) of "
              f"{args.val_dataset or prepared.val.source} {when}")
-    return Evaluator(evaluate_now, args.eval_every, metrics.note_eval)
+    def probe_now() -> float:  # every rank (FSDP's forward is a collective); bitwise evaluate()'s first batch
+        return batch_loss(model, prepared.val.batch(range(min(EVAL_BATCH, count))), env.device, run.autocast)
+
+    return Evaluator(evaluate_now, args.eval_every, metrics.note_eval, count=count, probe_at=probe_now)
 
 
 def card_describer(args: argparse.Namespace, run: Run, prepared: Prepared, started: float,
@@ -555,7 +558,8 @@ def card_describer(args: argparse.Namespace, run: Run, prepared: Prepared, start
     """The card every checkpoint carries (evaluation.py): the run's facts, the interval's losses, and -- at a periodic
     save -- the evaluation of that step (every rank takes part: evaluation.evaluate)."""
     env, model = run.env, unwrap_model(run.model)
-    probe = prepared.val.batch(range(min(EVAL_BATCH, len(prepared.val)))) if prepared.val else None
+    # the probe is the first batch the evaluation reads (its loss is that batch's), however few windows it reads
+    probe = prepared.val.batch(range(min(EVAL_BATCH, evaluator.count))) if evaluator is not None else None
     # Only rank 0 commits a card (any rank may, in a just-in-time save): the others skip hashing the data at start-up.
     writes = env.is_main or args.jit_checkpoint
     make = CardMaker(args, env, prepared.config, model.num_params(), prepared.tokenizer.name,
@@ -563,9 +567,13 @@ def card_describer(args: argparse.Namespace, run: Run, prepared: Prepared, start
                      json.loads(resolved_config(args)), shards=getattr(prepared.windows, "shards", None),
                      max_positions=source_positions(args))
 
-    def describe(step: int, metrics: Metrics, evaluate_now: bool = False) -> dict:
-        # the step's evaluation (reused if --eval-every just made it); logged, rowed and tracked at `step`
-        evaluation = evaluator(step) if evaluate_now and evaluator is not None else None
+    def describe(step: int, metrics: Metrics, evaluate_now: bool = False, rushed: bool = False) -> dict:
+        # the step's evaluation (reused if --eval-every just made it); logged, rowed and tracked at `step`. A stop's
+        # save (rushed) gets only the probe, one forward: the grace time before SIGKILL is the save's, and a full
+        # evaluation there would add a val row an uninterrupted run does not have.
+        evaluation = None
+        if evaluate_now and evaluator is not None:
+            evaluation = evaluator.probe_only(step) if rushed else evaluator(step)
         return {"card": make(step=step, tokens_seen=run.progress.tokens_seen, losses=metrics.take_interval(),
                              lr=metrics.last_lr, evaluation=evaluation)}
 
@@ -795,7 +803,10 @@ def check_everything(args: argparse.Namespace) -> list[str]:
         params = Transformer(config).num_params()
     data = [check_data_files(args, tokenizer, args.dataset)]
     if args.val_dataset:
-        data.append(check_data_files(args, tokenizer, args.val_dataset, "--val-dataset"))
+        try:
+            data.append(check_data_files(args, tokenizer, args.val_dataset, "--val-dataset"))
+        except DataError as e:
+            raise about_val_dataset(e, args.val_dataset) from None
     check_folder_writable(session)
     resume = "would start fresh (no --resume-from-checkpoint)"
     if args.resume_from_checkpoint:
@@ -862,6 +873,9 @@ def agreed(env: distributed.DistEnv, check):
 
 def train(args: argparse.Namespace, signals: SignalWatcher, started: float) -> int:
     t_start = time.perf_counter()
+    if args.deterministic:  # before any CUDA work: cuBLAS reads its workspace setting when its first handle is made
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     env = distributed.init(args.distributed, device=args.device)
     # --model-dtype auto -> bf16 or fp32 now, before anything reads it: the memory estimate, the card, the resume
     # comparison (a refused flag) and the evaluation's tolerance all see the dtype the run trains in
@@ -902,8 +916,8 @@ def train(args: argparse.Namespace, signals: SignalWatcher, started: float) -> i
         jit.begin_optimizer()
 
     def card(step: int):
-        def make() -> dict:  # a periodic save's card: evaluated first, so --tracker logs its eval at `step`
-            meta = describe(step, metrics, evaluate_now=True)
+        def make(rushed: bool) -> dict:  # a periodic save's card: evaluated first, so --tracker logs its eval at `step`
+            meta = describe(step, metrics, evaluate_now=True, rushed=rushed)
             metrics.sync()
             return meta
         return make

@@ -33,7 +33,7 @@ from .errors import CheckpointError
 from .jit import JustInTime, NoJIT
 from .manager import CheckpointManager, SaveRecord
 from .mirror import Mirror, refusal as mirror_refusal
-from .policy import FINISHED, NONE, SignalWatcher, When, step_boundary
+from .policy import FINISHED, INTERVAL, NONE, SignalWatcher, When, step_boundary
 from .reader import section_reader
 from .state import CheckpointState, RunInfo
 from .tier import LocalTier, rank_dir_name, tier_root
@@ -348,15 +348,17 @@ class Session:
         """Before ``optimizer.step()``: an asynchronous save still copying the state must finish before it changes."""
         self.manager.wait_staged()
 
-    def step_boundary(self, step: int, describe: Callable[[], dict]) -> bool:
+    def step_boundary(self, step: int, describe: Callable[[bool], dict]) -> bool:
         """Save if it is time (intervals, signals, walltime: one small all-reduce, the same decision on every rank);
-        ``describe()`` gives the checkpoint's manifest meta (its card). True: stop now -- saved just above, by every
-        rank at this step; ``close`` waits until it has committed."""
+        ``describe(rushed)`` gives the checkpoint's manifest meta (its card); ``rushed``: a stop (signal, SIGTERM,
+        walltime) whose grace time belongs to the save, so nothing slow goes into the card. True: stop now -- saved
+        just above, by every rank at this step; ``close`` waits until it has committed."""
         decision = self.policy(step)
         try:
             self.manager.poll()  # surface background save errors at a step boundary
             if decision.save:
-                self.manager.save(step, self.state, meta=describe(), shared=self._shared_due(step, decision.vote))
+                rushed = decision.vote not in (NONE, INTERVAL)
+                self.manager.save(step, self.state, meta=describe(rushed), shared=self._shared_due(step, decision.vote))
                 self._saved_at = step
         except run_lease.Fenced:
             pass  # a newer incarnation owns the run directory: the policy's next vote stops every rank, saving nothing

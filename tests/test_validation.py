@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
 import flags
-from helpers import TINY, check_weights, env_for_tests, kill_run_at_row, loss_rows, run_torchrun, run_train, \
+from helpers import PY, ROOT, TINY, check_weights, env_for_tests, kill_run_at_row, loss_rows, run_torchrun, run_train, \
     torchrun_cmd
 
 
@@ -91,9 +92,15 @@ def test_val_fraction_keep_best_keeps_the_lowest_val_loss(tmp_path, corpus):
         assert card(exp / f"step-{s:08d}")["eval"]["val_loss"] == losses[s]
 
     # evaluating after every step changed no number of training: the loss rows of a run evaluating once, at its end
-    once = run_train(base + ["--experiment_name", "once", "--checkpoint-frequency", "0"], check=True)
+    # (reading one window: the card's probe is that window, so the checkpoint validates by prediction)
+    once = run_train(base + ["--experiment_name", "once", "--checkpoint-frequency", "0", "--eval-tokens", "32"],
+                     check=True)
     assert loss_rows(tmp_path / "once" / "loss.csv") == loss_rows(exp / "loss.csv")
     assert [r[0] for r in val_rows(tmp_path / "once" / "val.csv")] == ["2"], once.stderr[-2000:]
+    assert len(card(tmp_path / "once" / "step-00000002")["eval"]["probe_tokens"]) == 1
+    validated = subprocess.run([PY, "evaluation.py", "validate", str(tmp_path / "once")], cwd=ROOT,
+                               env=env_for_tests(), capture_output=True, text=True, timeout=120)
+    assert validated.returncode == 0 and "OK" in validated.stdout, validated.stdout + validated.stderr
 
     # the validation windows are cut from the training data: another fraction cannot continue the run
     refused = run_train(base + ["--experiment_name", "best", "--resume-from-checkpoint", "latest",
