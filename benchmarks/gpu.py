@@ -58,6 +58,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from benchmarks import procs
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 PACK = ROOT / ".gpucheck"  # --pack: the data and tokenizer a GPU machine without network needs (ignored by git)
@@ -138,41 +140,15 @@ _LIVE: set = set()  # the processes started and not yet reaped: ended with their
 _LIVE_LOCK = threading.Lock()
 
 
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and every descendant, read from /proc. torchrun starts each rank in a session of its own, so a process
-    group signal would miss the ranks; the tree by parent pid does not."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo += children.get(tree[-1], [])
-    return tree
-
-
-def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL a process and all its descendants at once (a node lost), and wait until none runs."""
-    tree = process_tree(proc.pid)
+    tree = procs.process_tree(proc.pid)
     for pid in tree:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 30
-    while any(running(pid) for pid in tree) and time.monotonic() < deadline:
+    while any(procs.alive(pid) for pid in tree) and time.monotonic() < deadline:
         time.sleep(0.01)
 
 

@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # benchmarks/ beside tests/ (pytest puts the root there; a script run may not)
+    sys.path.insert(0, str(ROOT))
+from benchmarks.procs import alive, process_tree  # noqa: E402  (the tree a lost node takes: kill_tree)
 PY = sys.executable
 
 # The tiny configuration every end-to-end test trains (seconds per run on 2 CPU cores).
@@ -115,36 +118,10 @@ def wait_rows(csv: Path, rows: int, proc: subprocess.Popen, timeout: float = 240
         time.sleep(0.02)
 
 
-def _process_tree(pid: int) -> list[int]:
-    """pid and all its descendants. torchrun starts every rank in a NEW session (torch.distributed.elastic's
-    SubprocessHandler: start_new_session=True), so killing torchrun's process group leaves the ranks running."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo += children.get(tree[-1], [])
-    return tree
-
-
-def alive(pid: int) -> bool:
-    """The process runs: a zombie waiting to be reaped does not."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL a process and every descendant (torchrun's ranks sit in sessions of their own), and wait until each is
     gone: orphaned ranks are reaped by init."""
-    tree = _process_tree(proc.pid)
+    tree = process_tree(proc.pid)
     for pid in tree:
         try:
             os.kill(pid, signal.SIGKILL)

@@ -10,7 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from helpers import ROOT, TINY, alive, _process_tree, csv_rows, env_for_tests, run_torchrun, torchrun_cmd
+from helpers import ROOT, TINY, alive, process_tree, csv_rows, env_for_tests, run_torchrun, torchrun_cmd
 
 
 def _start_time(pid: int) -> str | None:
@@ -34,7 +34,7 @@ def test_ranks_end_with_their_killed_torchrun_and_the_restart_resumes(tmp_path, 
             assert launcher.poll() is None, f"torchrun ended (rc {launcher.returncode}) before step 5"
             assert time.monotonic() < deadline, "timed out waiting for the ranks to train"
             time.sleep(0.02)
-        started = {pid: _start_time(pid) for pid in _process_tree(launcher.pid) if pid != launcher.pid}
+        started = {pid: _start_time(pid) for pid in process_tree(launcher.pid) if pid != launcher.pid}
         assert len(started) >= 2, started  # the two ranks
         os.kill(launcher.pid, signal.SIGKILL)  # the launcher alone, as an OOM kill or `kill -9 <torchrun>` does
         launcher.wait()
