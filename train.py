@@ -71,7 +71,6 @@ from flags import (BadInput, apply_resume_flags, build_parser, check_flags, chec
                    check_resume_flags, parse_args, RESOLVED_CONFIG, resolved_config, schedule_warning)
 from hf import model_config_from_hf, read_hf  # Hugging Face Llama <-> model.py names (one table)
 from metrics import VAL_CSV, Metrics, device_peak_flops, started_at, val_csv_path
-from schedules import lr_lambda  # noqa: F401 (tests: the formulas of --lr-schedule)
 import schedules
 import trackers
 from model import (PRESETS, MemoryEstimate, ModelConfig, Transformer, estimate_peak_memory, flash_attention_problem,
@@ -194,7 +193,7 @@ def check_resume(args: argparse.Namespace, session: Session) -> None:
 def check_inputs(args: argparse.Namespace, env: distributed.DistEnv, session: Session | None = None):
     """flash-attn, the memory the configuration needs, and the data. Returns (tokenizer, training windows, model
     config, held-out windows or None)."""
-    tokenizer, config = check_model(args, env)
+    tokenizer, config, _ = check_model(args, env)
     windows, held_out = hold_out(load_data(args, env, tokenizer, session), args.eval_windows, args.val_fraction)
     if len(windows) < args.batch_size * env.world_size:
         cut = "--val-fraction" if args.val_fraction is not None else "--eval-windows"
@@ -226,15 +225,14 @@ def validation_set(args: argparse.Namespace, env: distributed.DistEnv, tokenizer
 
 def check_model(args: argparse.Namespace, env: distributed.DistEnv, gpu_here: bool = True):
     """flash-attn, the tokenizer, the model's shape and the memory it needs: instant, nothing tokenized. Returns
-    (tokenizer, model config). ``gpu_here`` False (--check for a GPU that is not on this machine): flash-attn and the
+    (tokenizer, model config, memory estimate). ``gpu_here`` False (--check for a GPU that is not on this machine): flash-attn and the
     GPU's memory cannot be asked, so they are not checked."""
     if gpu_here and args.use_flash_attention and (problem := flash_attention_problem(env.device)):
         raise BadInput(problem)
     tokenizer = load_tokenizer(args.tokenizer_name_or_path)
     check_init_tokenizer(args, tokenizer)
     config = model_config(args, tokenizer)
-    check_memory(args, env, config, compare=gpu_here)
-    return tokenizer, config
+    return tokenizer, config, check_memory(args, env, config, compare=gpu_here)
 
 
 def check_init_tokenizer(args: argparse.Namespace, tokenizer) -> None:
@@ -796,8 +794,7 @@ def check_everything(args: argparse.Namespace) -> list[str]:
     check_flags(args)
     trackers.check(args)
     session = Session(checkpoint_settings(args, env), env, agree=lambda v: v)
-    tokenizer, config = check_model(args, env, gpu_here=not elsewhere)
-    estimate = memory_estimate(args, env, config)
+    tokenizer, config, estimate = check_model(args, env, gpu_here=not elsewhere)
     available, where = (None, "") if elsewhere else distributed.device_memory(env)
     with torch.device("meta"):
         params = Transformer(config).num_params()

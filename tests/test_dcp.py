@@ -136,7 +136,7 @@ _PROBE = r'''
 import os, sys
 sys.path.insert(0, os.environ["PYTHONPATH"].split(os.pathsep)[0])
 import torch
-import distributed, train
+import distributed, schedules, train
 from model import Transformer
 from dataset import TrainLoader
 from checkpoint import (CheckpointManager, CheckpointState, ModelState, OptimizerState, RankInfo, RNGState, RunInfo,
@@ -148,7 +148,7 @@ env = distributed.init(args.distributed)
 tokenizer, windows, config, _ = train.check_inputs(args, env)
 model = distributed.parallelize(Transformer(config), env, args.parallel)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, train.lr_lambda(args.lr_warmup_steps, args.training_steps))
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.lr_lambda(args.lr_warmup_steps, args.training_steps))
 rank = RankInfo(env.rank, env.world_size, env.local_rank)
 state = CheckpointState(model=ModelState(model, sharded=True), optimizer=OptimizerState(model, optimizer, sharded=True),
                         lr_scheduler=scheduler,

@@ -22,7 +22,7 @@ from helpers import PY, ROOT, TINY, LogLines, check_weights, csv_rows, env_for_t
 
 def _train_lr_lambda():
     sys.path.insert(0, str(ROOT))
-    from train import lr_lambda  # the schedule's own formula
+    from schedules import lr_lambda  # the schedule's own formula
 
     return lr_lambda
 
