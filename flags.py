@@ -286,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
               "--checkpoint-frequency must be a multiple")
     flag("--local-checkpoint-keep", type=int, default=2, metavar="K",
          help="with --local-checkpoint-dir: each rank keeps its newest K local steps")
+    flag("--peer-checkpoint", action="store_true",
+         help="with --local-checkpoint-dir: also keep every local step of a node on the next node (its buddy), sent "
+              "in the background, so losing a node loses nothing newer than --local-checkpoint-frequency")
 
     g = p.add_argument_group("mirror: a second location for checkpoints -- see checkpoint/mirror.py")
     flag("--mirror-dir", default=None, metavar="DIR|s3://BUCKET/PREFIX",

@@ -178,7 +178,8 @@ def checkpoint_settings(args: argparse.Namespace, env: distributed.DistEnv) -> S
         mirror_dir=args.mirror_dir, mirror_every=args.mirror_every, mirror_keep=args.mirror_keep,
         mirror_timeout_s=mirror_wait, force_takeover=args.force_takeover, on_save_error=args.on_save_error, when=when,
         local_dir=args.local_checkpoint_dir, local_every=args.local_checkpoint_frequency,
-        local_keep=args.local_checkpoint_keep)
+        local_keep=args.local_checkpoint_keep, peer=args.peer_checkpoint,
+        peer_timeout_s=args.pg_timeout_seconds or 600.0)
 
 
 def check_resume(args: argparse.Namespace, session: Session) -> None:

@@ -44,7 +44,8 @@ PYRECOVER_CRASH_AT_STEP=k[:rank[:MODE]]        train.py                         
   ``kill`` (SIGKILL, default), ``raise`` or ``hang``.
 PYRECOVER_TEST_RANKS_PER_NODE=N               checkpoint/session.py                test-only    node_name()
   ranks r and r' count as one node when r // N == r' // N (torchrun on one host emulating several nodes, each with
-  its own node-local checkpoint tier). Unset: the host name decides.
+  its own node-local checkpoint tier). Unset: the host name decides. With --peer-checkpoint each emulated node holds
+  only what its own ranks wrote in the shared local folder (emulated_nodes()).
 PYRECOVER_PROGRESS=1                           train.py                             test-only    force_progress()
   plain progress lines even when stderr is not a terminal.
 PYRECOVER_SWAP_AFTER_LOAD=NAME,NAME            train.py                             test-only    swap_after_load()
@@ -170,6 +171,11 @@ def node_name(rank: int, environ: Mapping[str, str] | None = None) -> str:
     per_node = _env(environ).get("PYRECOVER_TEST_RANKS_PER_NODE", "")
     host = socket.gethostname()
     return f"{host}/node-{rank // int(per_node)}" if per_node else host
+
+
+def emulated_nodes(environ: Mapping[str, str] | None = None) -> bool:
+    """PYRECOVER_TEST_RANKS_PER_NODE is set: the nodes are emulated on one host and share its local folder."""
+    return bool(_env(environ).get("PYRECOVER_TEST_RANKS_PER_NODE", ""))
 
 
 #: the knobs read once, when their module is imported: a warm standby's child would keep the standby's values, so the

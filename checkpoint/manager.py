@@ -22,6 +22,7 @@ from .errors import CheckpointError
 from .fsio import MiB, is_disk_full
 from .lease import Fenced, Lease
 from .mirror import Mirror
+from .peer import PeerCopy
 from .state import CheckpointState
 from .tier import Drainer, LocalTier, everywhere, part_bytes
 
@@ -69,6 +70,7 @@ class CheckpointManager:
         lease: Lease | None = None,
         mirror: Mirror | None = None,
         tier: LocalTier | None = None,
+        peer: PeerCopy | None = None,
     ):
         self.root = storage.as_path(root)  # a local Path or an s3:// S3Path
         self._writing = layout.writing(self.root)  # staged and published by rename, or in place
@@ -83,6 +85,7 @@ class CheckpointManager:
             mirror.guard = self._guard
         self.tier = tier  # --local-checkpoint-dir: every save lands there first; some are drained here (tier.py)
         self._drainer = Drainer(tier, self._land, self._drain_failed) if tier is not None else None
+        self.peer = peer  # --peer-checkpoint: every local step is also kept on the next node (peer.py)
         if tier is not None:  # every save lands in the local tier: overwrite its retired files there
             backend.spares = tier.spares
         self._fenced_logged = False
@@ -121,8 +124,8 @@ class CheckpointManager:
                 if tier is None:
                     self._land(step, step_dir, files, meta=meta, record=record, t0=t0)
                     return
-                tier.commit(local_dir, step, files, backend=self.backend.name, run_id=self.run_id, meta=meta or {},
-                            guard=self._guard)
+                published = tier.commit(local_dir, step, files, backend=self.backend.name, run_id=self.run_id,
+                                         meta=meta or {}, guard=self._guard)
             except (OSError, CheckpointError) as e:
                 error = self._save_failed(step, step_dir, e, local=local_dir, in_tier=tier is not None)
                 if isinstance(error, Fenced):  # e.g. the new owner swept our staging folder mid-write
@@ -137,8 +140,11 @@ class CheckpointManager:
                           + ("; draining to the shared tier" if step_dir is not None else ""))
             if step_dir is not None:
                 self._drainer.submit(step, step_dir, meta=meta, record=record, t0=t0)
+            if self.peer is not None:
+                self.peer.submit(step, published)
             try:
-                tier.retain(self._drainer.protected() | {h.step for h in list(self.in_flight) if h.step != step},
+                tier.retain(self._drainer.protected() | {h.step for h in list(self.in_flight) if h.step != step}
+                            | (self.peer.protected() if self.peer is not None else set()),
                             self._guard, own_staging=local_dir.parent.name)
             except Fenced as e:
                 self._note_fenced(e)
@@ -425,6 +431,10 @@ class CheckpointManager:
         newest_shared = self.rank.from_main(max((i.step for r in self._roots() for i in layout.list_checkpoints(r)
                                                  if i.committed), default=None) if self.rank.is_main else None)
         shared: list = []  # the shared tier's `latest`, resolved (and verified on rank 0) at most once
+        peers: list[int] = []  # ranks whose part came from a copy on another node (peer.py)
+        if self.peer is not None:
+            floor = max((s for s in (everywhere(local, self.rank.gather), newest_shared) if s is not None), default=None)
+            peers = self.peer.restore(local, floor)
         while True:
             best_local = everywhere(local, self.rank.gather)
             info = None
@@ -456,9 +466,11 @@ class CheckpointManager:
         else:
             self._load_shared(info, state)
         here = self.rank.gather(mine is not None)
+        from_peer = sum(1 for r in peers if here[r])
         # What was loaded, as rank 0 sees it, on every rank (its card: the resume checks agree across ranks)
         self._loaded(self.rank.from_main(mine or info), t0, tier=f"{sum(here)} of {len(here)} ranks from their local "
-                     "tier" + (f", {len(here) - sum(here)} from the shared tier" if not all(here) else ""))
+                     "tier" + (f" ({from_peer} from a peer copy)" if from_peer else "")
+                     + (f", {len(here) - sum(here)} from the shared tier" if not all(here) else ""))
         for held in [info] + list(local.values()):
             if held is not None:
                 held.verified.clear()  # what the load did not take is not held for the rest of the run
@@ -528,6 +540,8 @@ class CheckpointManager:
             self.tier.recover(self._staging.name)
             if not spec:
                 self.tier.clear()  # a fresh start: nothing local belongs to it
+                if self.peer is not None:
+                    self.peer.clear()
         step = self.load(spec, state) if spec else None
         if self.tier is not None:  # pre-flight: the local tier holds what is known of the state now
             self.tier.check_space(lambda: part_bytes(state, self.backend.writes_shared), first_save=False)
@@ -544,6 +558,8 @@ class CheckpointManager:
                                       f"{e.strerror or e}") from None
         if self.tier is not None:
             self.tier.retire_newer(step or 0)
+        if self.peer is not None:
+            self.peer.retire_newer(step or 0)
         if self.mirror is not None:
             self.mirror.start(step or 0, self.root)
 
@@ -565,6 +581,8 @@ class CheckpointManager:
         finally:
             if self._drainer is not None:
                 self._drainer.close()
+            if self.peer is not None:  # the last local step reaches the buddy too (bounded wait)
+                self.peer.close()
             if self.mirror is not None:  # the final checkpoint reaches the mirror before a clean exit (bounded wait)
                 self.mirror.close()
             self.backend.close()

@@ -33,6 +33,7 @@ from .errors import CheckpointError
 from .jit import JustInTime, NoJIT
 from .manager import CheckpointManager, SaveRecord
 from .mirror import Mirror, refusal as mirror_refusal
+from .peer import PEER_DIR, Link, PeerCopy, buddies
 from .policy import FINISHED, INTERVAL, NONE, SignalWatcher, When, step_boundary
 from .reader import section_reader
 from .state import CheckpointState, RunInfo
@@ -71,6 +72,8 @@ class Settings:
     local_dir: str | None = None
     local_every: int = 0  # a local save every N steps (when.every_steps must be a multiple)
     local_keep: int = 2  # newest local steps kept per rank
+    peer: bool = False  # every local step also kept on the next node (peer.py)
+    peer_timeout_s: float = 600.0  # how long a peer transfer may wait for its other end
 
 
 def _say(line: str) -> None:
@@ -91,6 +94,9 @@ class Session:
             raise CheckpointError(why)
         if s.local_dir and (why := local_tier_refusal(s)):
             raise CheckpointError(why)
+        if s.peer and not s.local_dir:
+            raise CheckpointError("--peer-checkpoint needs --local-checkpoint-dir: the peer copy is a second copy of "
+                                  "the node-local tier's steps, on the next node")
         self.settings, self.rank, self.agree, self.signals, self.started = s, rank, agree, signals, started
         self.root = storage.as_path(s.checkpoint_dir) / s.experiment
         self.filesystem = storage.medium(self.root).filesystem  # the lease and local logs need one
@@ -296,22 +302,34 @@ class Session:
             mirror = Mirror(storage.as_path(s.mirror_dir) / s.experiment, run_id=run_id[0], every=s.mirror_every,
                             timeout_s=s.mirror_timeout_s, retention=retention if s.mirror_keep is None else
                             replace(retention, keep=s.mirror_keep))
-        tier = self._local_tier(lineage=run_id[2]) if s.local_dir else None
+        tier, peer = self._local_tier(lineage=run_id[2], run_id=run_id[0]) if s.local_dir else (None, None)
         self.manager = CheckpointManager(self.root, self.backend, self.rank, run_id=run_id[0], retention=retention,
-                                         lease=self.lease, mirror=mirror, tier=tier)
+                                         lease=self.lease, mirror=mirror, tier=tier, peer=peer)
         self.state = state
         return self.manager.open(spec, state)
 
-    def _local_tier(self, lineage: str) -> LocalTier:
-        """This rank's folder in its node's local tier. The node's first rank (by the host names every rank reports)
-        is its leader: it writes the shared pieces there, once per node."""
+    def _local_tier(self, lineage: str, run_id: str) -> tuple[LocalTier, PeerCopy | None]:
+        """This rank's folder in its node's local tier, and with ``peer`` its side of the peer copy. The node's first
+        rank (by the host names every rank reports) is its leader: it writes the shared pieces there, once per node."""
         s = self.settings
         nodes = self.rank.gather(knobs.node_name(self.rank.rank))
         leader = nodes.index(nodes[self.rank.rank])
         identity = {"origin": str(self.root), "lineage": lineage, "job": slurm.job_id() or ""}
-        tier = LocalTier(s.local_dir, s.experiment, self.rank, leader=leader, identity=identity, keep=s.local_keep)
+        order, why = buddies(nodes) if s.peer else ([], None)
+        if why and self.rank.is_main:
+            _say(f"warning: --peer-checkpoint: {why}; the local tier goes on without a peer copy")
+        tier = LocalTier(s.local_dir, s.experiment, self.rank, leader=leader, identity=identity, keep=s.local_keep,
+                         copies=2 if order else 1)
         self.backend.writes_shared = tier.writes_shared
-        return tier
+        if not order:
+            return tier, None
+        link = Link(self.rank, timeout_s=s.peer_timeout_s)  # collective: every rank, in the same order
+        scope = None
+        if knobs.emulated_nodes():  # one host, one local folder: each emulated node holds only what its ranks wrote
+            mates = [r for r, name in enumerate(nodes) if name == nodes[self.rank.rank]]
+            scope = {rank_dir_name(r) for r in mates} | {f"{PEER_DIR}/{rank_dir_name(order.index(r))}" for r in mates}
+        return tier, PeerCopy(tier, link, buddy=order[self.rank.rank], source=order.index(self.rank.rank),
+                              keep=s.local_keep, run_id=run_id, scope=scope)
 
     @property
     def loaded(self) -> layout.CheckpointInfo | None:
@@ -415,6 +433,8 @@ class Session:
         outcome = self.policy.finish(step, self.settings.when.final_step)
         if outcome == FINISHED and self.manager.tier is not None:
             self.manager.tier.clear()  # the final step is in the shared tier: the local copies have done their job
+            if self.manager.peer is not None:
+                self.manager.peer.clear()
         return outcome
 
     # --- what happened ---------------------------------------------------------------------------------------------

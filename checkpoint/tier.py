@@ -74,13 +74,15 @@ def tier_root(local_dir, experiment: str, origin: str) -> Path:
 class LocalTier:
     """This rank's folder in its node's local tier, and its node leader's (read-only)."""
 
-    def __init__(self, local_dir, experiment: str, rank: RankInfo, *, leader: int, identity: dict, keep: int = 2):
+    def __init__(self, local_dir, experiment: str, rank: RankInfo, *, leader: int, identity: dict, keep: int = 2,
+                 copies: int = 1):
         base = tier_root(local_dir, experiment, str(identity["origin"]))
         self._flag, self._folder_checked = f"--local-checkpoint-dir {local_dir}", False
         self.root = base / rank_dir_name(rank.rank)
         self._private()  # refused before anything is read from there
         self.leader_root = base / rank_dir_name(leader)
         self.rank, self.leader, self.keep = rank, leader, max(keep, 1)
+        self.copies = copies  # 2 with a peer copy: this node also keeps another node's part (peer.py)
         self.identity = {**identity, "rank": rank.rank, "leader": leader, "world_size": rank.world_size}
         self._writing = layout.writing(self.root)
         self._checked_space = False
@@ -125,12 +127,12 @@ class LocalTier:
         st = os.statvfs(self.root)
         free = st.f_bavail * st.f_frsize + sum(_tree_bytes(p) for p in
                                                [i.path for i in layout.list_checkpoints(self.root)] + [self.spares.dir])
-        need = (self.keep + 1) * nbytes
+        need = (self.keep + 1) * nbytes * self.copies
         if need > free:
             raise CheckpointError(
                 f"--local-checkpoint-dir {self.root.parent.parent}: {free / MiB:.1f} MiB free, but this rank's part "
                 f"of a checkpoint is {'' if first_save else 'at least '}{nbytes / MiB:.1f} MiB and the local tier "
-                f"holds {self.keep} + 1 of them "
+                f"holds {self.keep} + 1 of them{' (and as many of a peer node)' if self.copies > 1 else ''} "
                 f"({need / MiB:.1f} MiB); give it more space (e.g. docker run --shm-size), point it at a larger "
                 "node-local disk, or lower --local-checkpoint-keep")
 

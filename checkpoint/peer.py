@@ -1,0 +1,426 @@
+"""The peer place (``--peer-checkpoint``): every step a rank commits in its node's local tier is also sent to its
+*buddy* -- the rank with the same place on the next node (node i -> node i+1 mod N) -- which commits it in its own
+node's local tier, so a lost node (its processes and its ``/dev/shm``) loses nothing newer than the local interval.
+
+    <local-dir>/<experiment>-<key>/rank-00003/step-00000012/        the tier's own copy (tier.py)
+    <local-dir>/<experiment>-<key>/peer/rank-00001/step-00000012/   on rank 3's node: rank 1's part, sent by rank 1
+
+A peer copy is committed exactly like a local one: the sender's manifest, its files verified against it as they arrive,
+``COMMITTED`` last, published by rename. The sender hashes the files as it reads them, so a local file changed since its
+commit is caught on both ends.
+
+The bytes travel over a gloo process group of their own: on a GPU it shares nothing with training's NCCL stream, and on
+CPU it is not training's group either. One background thread per rank swaps, step by step, its own part (to its buddy)
+against its source's part (from the rank whose buddy it is), in chunks of ``CHUNK`` bytes: memory stays bounded, and
+training never waits for it. Every rank saves the same steps, so the swaps pair up.
+
+A restart (``restore``) first asks every rank what its node holds of this run -- any rank's folder or peer copy. A rank
+whose node lost its local tier gets its part of the newest step that every rank can get, from whichever rank's node
+holds it, over the same group, committed in its own tier folder; then the load goes on as with the tier alone, which
+verifies each part against its manifest and this run's identity (origin, lineage, job, world size, rank, leader) before
+anything is trusted. Nothing from a peer is taken that a local copy would not be.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Iterator
+
+from . import layout, storage
+from .backends import RankInfo
+from .errors import CheckpointError
+from .fsio import MiB, fsync_dir, make_dirs, new_hasher
+from .logs import EVERY_RANK
+from .tier import LocalTier, rank_dir_name
+
+_log = logging.getLogger(__name__)
+
+PEER_DIR = "peer"
+CHUNK = 16 * MiB  # what one send holds: at most two chunks per rank are in memory at once
+
+
+def buddies(nodes: list[str]) -> tuple[list[int], str | None]:
+    """Each rank's buddy (``nodes[r]``: rank r's node name): the rank with the same index among its node's ranks on the
+    next node, in the order nodes first appear. ``([], why)`` when there is none: one node, or nodes of unequal size."""
+    order: dict[str, list[int]] = {}
+    for r, name in enumerate(nodes):
+        order.setdefault(name, []).append(r)
+    groups = list(order.values())
+    if len(groups) < 2:
+        return [], "the job runs on one node, so there is no other node to keep a copy"
+    if len({len(g) for g in groups}) > 1:
+        return [], f"the nodes run different numbers of ranks ({', '.join(str(len(g)) for g in groups)})"
+    out = [0] * len(nodes)
+    for i, group in enumerate(groups):
+        nxt = groups[(i + 1) % len(groups)]
+        for j, r in enumerate(group):
+            out[r] = nxt[j]
+    return out, None
+
+
+# --- one step on the wire ----------------------------------------------------------------------------------------
+# An offer is a small header (the step, the manifest's bytes, each file's name and size) followed by the files' bytes
+# in order, cut into chunks of at most CHUNK bytes; both ends derive the same cuts from the header.
+
+
+def _offer(step_dir: Path) -> tuple[dict, list[tuple[Path, dict]]]:
+    manifest_bytes = storage.read_small(step_dir / layout.MANIFEST)
+    manifest = layout.read_manifest(step_dir)  # checked against COMMITTED's record of those bytes
+    files = [(layout.member(step_dir, n, manifest), r) for n, r in sorted(manifest["files"].items())]
+    header = {"step": manifest["step"], "manifest": manifest_bytes.decode(),
+              "files": [[n, r["size"]] for n, r in sorted(manifest["files"].items())]}
+    return header, files
+
+
+def _cuts(header: dict) -> list[tuple[int, int]]:
+    """(file index, bytes) of every chunk of an offer."""
+    out = []
+    for i, (_, size) in enumerate(header["files"]):
+        left = size
+        while left > 0:
+            out.append((i, min(CHUNK, left)))
+            left -= CHUNK
+    return out
+
+
+def _chunks(files: list[tuple[Path, dict]], algorithm: str) -> Iterator[bytes]:
+    """The files' bytes in CHUNK pieces, hashed as they are read: one that no longer matches its manifest record
+    raises once its last byte is sent (the receiver refuses it too)."""
+    for path, record in files:
+        h, size = new_hasher(algorithm), 0
+        with open(path, "rb") as f:
+            while piece := f.read(CHUNK):
+                h.update(piece)
+                size += len(piece)
+                yield piece
+        if size != record["size"] or h.hexdigest() != record[algorithm]:
+            raise CheckpointError(f"{path} changed since its local commit (its bytes no longer match its manifest)")
+
+
+class _Landing:
+    """Commits one incoming offer as ``<root>/step-N``: files written in a staging folder as chunks arrive, each
+    checked against the manifest's record, then the manifest, ``COMMITTED`` and the rename."""
+
+    def __init__(self, root: Path, header: dict, tag: str, *, owner: int, world_size: int):
+        self.root, self.header, self.tag = root, header, tag
+        manifest = json.loads(header["manifest"])
+        self.manifest = layout.check_manifest(manifest, root)
+        tier = manifest.get("meta", {}).get("tier", {})
+        if (manifest["step"] != header["step"] or tier.get("rank") != owner
+                or manifest["world_size"] != world_size):
+            raise CheckpointError(f"a peer offered step {header['step']} of rank {tier.get('rank')} at world size "
+                                  f"{manifest['world_size']}, not rank {owner}'s part at {world_size}; not kept")
+        if sorted(manifest["files"]) != [n for n, _ in header["files"]]:
+            raise CheckpointError(f"a peer's offer of step {header['step']} does not list its manifest's files")
+        self._writing = layout.writing(root)
+        self.dir = self._writing.save_dir(root, tag, header["step"])
+        self._writing.prepare(self.dir)
+        self._file, self._index, self._hasher, self._size = None, -1, None, 0
+
+    def feed(self, index: int, piece) -> None:
+        if index != self._index:
+            self._close_file()
+            self._index = index
+            name = layout.safe_relpath(self.header["files"][index][0], self.root)
+            path = self.dir / name
+            make_dirs(path.parent)
+            self._file = open(path, "wb")
+            self._hasher, self._size = new_hasher(self.manifest["checksum"]), 0
+        self._file.write(piece)
+        self._hasher.update(piece)
+        self._size += len(piece)
+
+    def _close_file(self) -> None:
+        if self._file is None:
+            return
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+        name, algorithm = self.header["files"][self._index][0], self.manifest["checksum"]
+        record = self.manifest["files"][name]
+        if self._size != record["size"] or self._hasher.hexdigest() != record[algorithm]:
+            raise CheckpointError(f"{name} of step {self.header['step']} arrived with other bytes than its manifest "
+                                  "records; not kept")
+
+    def commit(self) -> Path:
+        self._close_file()
+        for name, size in self.header["files"]:  # empty files get no chunk
+            if size == 0:
+                (self.dir / layout.safe_relpath(name, self.root)).touch()
+        fsync_dir(self.dir)
+        layout.write_commit(self.dir, self.header["manifest"].encode())
+        return self._writing.publish(self.dir, self.root, self.header["step"], guard=layout.no_guard, tag=self.tag)
+
+    def discard(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Link:
+    """Point-to-point transfers of whole steps over a gloo group of their own."""
+
+    def __init__(self, rank: RankInfo, timeout_s: float):
+        import torch.distributed as dist
+
+        self.rank = rank
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def swap(self, dst: int | None, out: tuple[dict, list] | None, src: int | None,
+             land: Callable[[dict], _Landing] | None) -> Path | None:
+        """Send ``out`` (an offer) to ``dst`` while receiving one from ``src``, which ``land(header)`` commits; either
+        side may be None. Returns where the received step was published."""
+        header_out = json.dumps(out[0]).encode() if out is not None else None
+        lengths = self._duplex(dst, [self._tensor(len(header_out).to_bytes(8, "little"))] if dst is not None else [],
+                               src, [8] if src is not None else [])
+        headers = self._duplex(dst, [self._tensor(header_out)] if dst is not None else [],
+                               src, [int.from_bytes(bytes(lengths[0]), "little")] if src is not None else [])
+        header_in = json.loads(bytes(headers[0]).decode()) if src is not None else None
+        landing = land(header_in) if header_in is not None else None
+        try:
+            pieces = (self._tensor(p) for p in _chunks(out[1], json.loads(out[0]["manifest"])["checksum"])) \
+                if out is not None else iter(())
+            cuts = _cuts(header_in) if header_in is not None else []
+            self._duplex(dst, pieces, src, [n for _, n in cuts],
+                         sink=(lambda k, buf: landing.feed(cuts[k][0], buf)) if landing is not None else None)
+            return landing.commit() if landing is not None else None
+        except BaseException:
+            if landing is not None:
+                landing.discard()
+            raise
+
+    @staticmethod
+    def _tensor(data: bytes):
+        import torch
+
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+    def _duplex(self, dst, outgoing, src, sizes: list[int], sink=None) -> list:
+        """Post each outgoing tensor to ``dst`` beside the next incoming one from ``src`` (sizes known), and wait for
+        both before the next pair: two chunks in memory, and neither side blocks the other."""
+        import torch
+        import torch.distributed as dist
+
+        received, outgoing, k = [], iter(outgoing), 0
+        while True:
+            works = []
+            t = next(outgoing, None) if dst is not None else None
+            if t is not None:
+                works.append(dist.isend(t, dst, group=self.group))
+            buf = None
+            if src is not None and k < len(sizes):
+                buf = torch.empty(sizes[k], dtype=torch.uint8)
+                works.append(dist.irecv(buf, src, group=self.group))
+            if not works:
+                return received
+            for w in works:
+                w.wait()
+            if buf is not None:
+                view = memoryview(buf.numpy())
+                if sink is not None:
+                    sink(k, view)
+                else:
+                    received.append(view)
+                k += 1
+
+
+# --- the place ---------------------------------------------------------------------------------------------------
+
+
+class PeerCopy:
+    """This rank's side of the peer place: sends its committed local steps to ``buddy`` and keeps ``source``'s."""
+
+    def __init__(self, tier: LocalTier, link: Link, *, buddy: int, source: int, keep: int, run_id: str,
+                 scope: set[str] | None = None):
+        """``scope``: the folders (relative to the run's folder) this node holds, where one host emulates several
+        nodes that share one local folder (knobs.node_name); None: every folder there is this node's."""
+        self.tier, self.link, self.buddy, self.source, self.scope = tier, link, buddy, source, scope
+        self.run_folder = tier.root.parent
+        self.root = self.run_folder / PEER_DIR / rank_dir_name(source)  # the copies kept here for ``source``
+        self.keep, self.run_id = max(keep, 1), run_id
+        self._pending: set[int] = set()
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._failed: str | None = None
+        self._said_first = False
+        self._thread = threading.Thread(target=self._run, name="ckpt-peer", daemon=True)
+        self._thread.start()
+
+    # --- during training ---------------------------------------------------------------------------------------------
+    def submit(self, step: int, step_dir: Path) -> None:
+        """``step_dir``: this rank's committed local part of ``step``; it stays protected until it is sent."""
+        if self._failed is not None:
+            return
+        with self._lock:
+            self._pending.add(step)
+        self._queue.put((step, step_dir))
+
+    def protected(self) -> set[int]:
+        with self._lock:
+            return set(self._pending)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                step, step_dir = item
+                if self._failed is None:
+                    self._swap(step, step_dir)
+            except Exception as e:  # noqa: BLE001 - the local tier still holds every step: training goes on
+                self._failed = str(e) or type(e).__name__
+                _log.warning(f"warning: peer copy stopped at step {item[1].name if item else '?'}: {self._failed}; "
+                             "the local and shared tiers go on without it", extra=EVERY_RANK)
+            finally:
+                if item is not None:
+                    with self._lock:
+                        self._pending.discard(item[0])
+                self._queue.task_done()
+
+    def _swap(self, step: int, step_dir: Path) -> None:
+        make_dirs(self.root)
+        published = self.link.swap(self.buddy, _offer(step_dir), self.source, self._landing(self.root, self.source))
+        layout.apply_retention(self.root, self.keep, guard=layout.no_guard, own_staging=_staging(self.run_id),
+                               label=f"peer copy {self.root}", quiet=True)
+        if not self._said_first and self.tier.rank.is_main:
+            _log.info(f"peer copy: every local step is also kept on the next node (rank 0's on rank {self.buddy}'s "
+                      f"node; step {step} the first, in {published.parent})")
+        self._said_first = True
+
+    def _landing(self, root: Path, owner: int) -> Callable[[dict], _Landing]:
+        return lambda header: _Landing(root, header, self.run_id, owner=owner, world_size=self.tier.rank.world_size)
+
+    def wait(self) -> None:
+        self._queue.join()
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Wait for the copies in flight (every rank sends its last step too), at most ``timeout_s`` (a buddy that
+        died never answers: its swap fails only at the group's timeout), then stop the thread."""
+        self._queue.put(None)
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._queue.unfinished_tasks and self._failed is None:
+            _log.warning(f"warning: peer copy: the copies still in flight did not finish within {timeout_s:.0f}s; "
+                         "the local tier holds them", extra=EVERY_RANK)
+
+    # --- restart -----------------------------------------------------------------------------------------------------
+    def holdings(self) -> dict[int, dict[int, str]]:
+        """What this node holds of this run, by owner rank: committed steps in any rank's tier folder or peer copy
+        (not verified here: the chosen one is, by the receiver and again by the load)."""
+        out: dict[int, dict[int, str]] = {}
+        for folder in sorted(self.run_folder.glob("rank-*")) + sorted((self.run_folder / PEER_DIR).glob("rank-*")):
+            if self.scope is not None and str(folder.relative_to(self.run_folder)) not in self.scope:
+                continue
+            try:
+                owner = int(folder.name.split("-", 1)[1])
+            except ValueError:
+                continue
+            for info in layout.list_checkpoints(folder):
+                if info.committed:
+                    out.setdefault(owner, {}).setdefault(info.step, str(info.path))
+        return out
+
+    def restore(self, local: dict[int, layout.CheckpointInfo], floor: int | None) -> list[int]:
+        """Collective. When a step newer than ``floor`` (the newest step every rank holds locally, or the shared tier's
+        newest, whichever is newer) is held by some node for every rank, each rank lacking it gets its part from a
+        holder and commits it in its own tier folder; ``local`` is listed again. Returns the ranks that did."""
+        rank = self.tier.rank
+        everyone = rank.gather([sorted(local), {o: sorted(s) for o, s in self.holdings().items()}])
+        avail: list[set[int]] = []
+        for r in range(rank.world_size):
+            steps = set(everyone[r][0])
+            for _, held in everyone:
+                steps |= {int(s) for s in held.get(r, ())}
+            avail.append(steps)
+        best = max(set.intersection(*avail), default=None)
+        newest = max(set.union(*avail), default=None)
+        if newest is not None and (best is None or newest > best) and (floor is None or newest > floor):
+            # a rank with no local step at all lost its node's tier; without a copy elsewhere its newest part is gone
+            lost = [r for r in range(rank.world_size) if newest not in avail[r] and not everyone[r][0]]
+            if lost and rank.is_main:
+                _log.warning(f"peer copy: step {newest} is lost for rank(s) {', '.join(map(str, lost))} (its node and "
+                             "its buddy's); resuming from an older step")
+        if best is None or (floor is not None and best <= floor):
+            return []
+        plan = []  # (receiver, holder): the holder's node has the receiver's part of ``best``
+        for r in range(rank.world_size):
+            if best in everyone[r][0]:
+                continue
+            holders = [h for h in range(rank.world_size) if best in {int(s) for s in everyone[h][1].get(r, ())}]
+            plan.append((r, r if r in holders else holders[0]))
+        fetched = [r for r, _ in plan]
+        if rank.is_main:
+            _log.info(f"peer copy: step {best} for rank(s) {', '.join(map(str, fetched))} from a copy on another "
+                      "node" if any(h != r for r, h in plan) else
+                      f"peer copy: step {best} for rank(s) {', '.join(map(str, fetched))} from a copy on their node")
+        for r, h in plan:
+            if rank.rank not in (r, h):
+                continue
+            land = self._landing(self.tier.root, r) if rank.rank == r else None
+            path = self.holdings().get(r, {}).get(best) if rank.rank == h else None
+            try:
+                if r == h:
+                    self._land_locally(Path(path), land)
+                else:
+                    self.link.swap(r if rank.rank == h else None, _offer(Path(path)) if rank.rank == h else None,
+                                   h if rank.rank == r else None, land)
+            except (OSError, CheckpointError) as e:  # the load then finds no local copy and chooses again
+                _log.warning(f"warning: peer copy: step {best} of rank {r} not restored ({e})", extra=EVERY_RANK)
+        local.clear()
+        local.update(self.tier.committed())
+        return fetched
+
+    @staticmethod
+    def _land_locally(src: Path, land: Callable[[dict], _Landing]) -> None:
+        header, files = _offer(src)
+        landing = land(header)
+        try:
+            cuts = iter(_cuts(header))
+            for piece in _chunks(files, json.loads(header["manifest"])["checksum"]):
+                landing.feed(next(cuts)[0], piece)
+            landing.commit()
+        except BaseException:
+            landing.discard()
+            raise
+
+    def retire_newer(self, step: int) -> None:
+        """The run continues from ``step``: newer copies anywhere on this node belong to a line it left (another rank
+        of the node may be removing the same ones: whoever comes first does)."""
+        folders = [p for p in self.run_folder.glob("rank-*") if p != self.tier.root]
+        for folder in folders + sorted((self.run_folder / PEER_DIR).glob("rank-*")):
+            for info in layout.list_checkpoints(folder):
+                if info.step > step:
+                    try:
+                        layout.remove_step_dir(info.path, "move them out of the local tier")
+                    except (OSError, CheckpointError):
+                        pass
+
+    def clear(self) -> None:
+        """The copies kept here for ``source`` go (a fresh start, or a clean end: everything is in the shared tier)."""
+        for info in layout.list_checkpoints(self.root):
+            try:
+                layout.remove_step_dir(info.path, "move them out of the local tier")
+            except (OSError, CheckpointError):
+                pass
+        shutil.rmtree(self.root / _staging(self.run_id), ignore_errors=True)
+        for folder in (self.root, self.root.parent, self.run_folder):  # the last rank of the node to clear
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+
+
+def _staging(run_id: str) -> str:
+    return f"{layout.STAGING_PREFIX}{run_id}"
