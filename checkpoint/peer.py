@@ -80,6 +80,14 @@ def _offer(step_dir: Path) -> tuple[dict, list[tuple[Path, dict]]]:
     return header, files
 
 
+def _offer_or_error(step_dir: Path) -> tuple[dict, list]:
+    """An offer of ``step_dir``, or one that says why there is none: the other end is waiting for a header."""
+    try:
+        return _offer(step_dir)
+    except (OSError, CheckpointError) as e:
+        return {"error": f"{step_dir}: {e.strerror if isinstance(e, OSError) else e}"}, []
+
+
 def _cuts(header: dict) -> list[tuple[int, int]]:
     """(file index, bytes) of every chunk of an offer."""
     out = []
@@ -91,18 +99,28 @@ def _cuts(header: dict) -> list[tuple[int, int]]:
     return out
 
 
-def _chunks(files: list[tuple[Path, dict]], algorithm: str) -> Iterator[bytes]:
-    """The files' bytes in CHUNK pieces, hashed as they are read: one that no longer matches its manifest record
-    raises once its last byte is sent (the receiver refuses it too)."""
+def _chunks(files: list[tuple[Path, dict]], algorithm: str, bad: list[str]) -> Iterator[bytes]:
+    """The files' bytes in exactly the offer's cuts, hashed as they are read. A file that no longer matches its
+    manifest record (or cannot be read) is named in ``bad`` and its cuts still go, as zeros: the receiver, which
+    counts on every cut, refuses it by its own hash, and neither end is left waiting."""
     for path, record in files:
-        h, size = new_hasher(algorithm), 0
-        with open(path, "rb") as f:
-            while piece := f.read(CHUNK):
-                h.update(piece)
-                size += len(piece)
-                yield piece
-        if size != record["size"] or h.hexdigest() != record[algorithm]:
-            raise CheckpointError(f"{path} changed since its local commit (its bytes no longer match its manifest)")
+        h, left = new_hasher(algorithm), record["size"]
+        try:
+            with open(path, "rb") as f:
+                while left > 0:
+                    want = min(CHUNK, left)
+                    piece = f.read(want)
+                    piece += bytes(want - len(piece))  # a file shorter than its record: its hash fails, the cut holds
+                    h.update(piece)
+                    left -= len(piece)
+                    yield piece
+            if h.hexdigest() != record[algorithm]:
+                bad.append(f"{path} changed since its local commit (its bytes no longer match its manifest)")
+        except OSError as e:
+            bad.append(f"cannot read {path}: {e.strerror or e}")
+            while left > 0:
+                yield bytes(min(CHUNK, left))
+                left -= min(CHUNK, left)
 
 
 class _Landing:
@@ -180,24 +198,46 @@ class Link:
              land: Callable[[dict], _Landing] | None) -> Path | None:
         """Send ``out`` (an offer) to ``dst`` while receiving one from ``src``, which ``land(header)`` commits; either
         side may be None. Returns where the received step was published."""
-        header_out = json.dumps(out[0]).encode() if out is not None else None
+        header_out = json.dumps(out[0]).encode() if out is not None else None  # an offer or {"error": why}
         lengths = self._duplex(dst, [self._tensor(len(header_out).to_bytes(8, "little"))] if dst is not None else [],
                                src, [8] if src is not None else [])
         headers = self._duplex(dst, [self._tensor(header_out)] if dst is not None else [],
                                src, [int.from_bytes(bytes(lengths[0]), "little")] if src is not None else [])
         header_in = json.loads(bytes(headers[0]).decode()) if src is not None else None
-        landing = land(header_in) if header_in is not None else None
+        sending = out is not None and "error" not in out[0]
+        receiving = header_in is not None and "error" not in header_in
+        landing, failed = None, []
+        if receiving:
+            try:
+                landing = land(header_in)
+            except (OSError, CheckpointError) as e:
+                failed.append(str(e))
+        bad: list[str] = []
+        pieces = (self._tensor(p) for p in _chunks(out[1], json.loads(out[0]["manifest"])["checksum"], bad)) \
+            if sending else iter(())
+        cuts = _cuts(header_in) if receiving else []
+
+        def sink(k: int, buf) -> None:  # the stream is always read to its end: the sender never waits on us
+            if landing is not None and not failed:
+                try:
+                    landing.feed(cuts[k][0], buf)
+                except (OSError, CheckpointError) as e:
+                    failed.append(str(e))
+
         try:
-            pieces = (self._tensor(p) for p in _chunks(out[1], json.loads(out[0]["manifest"])["checksum"])) \
-                if out is not None else iter(())
-            cuts = _cuts(header_in) if header_in is not None else []
-            self._duplex(dst, pieces, src, [n for _, n in cuts],
-                         sink=(lambda k, buf: landing.feed(cuts[k][0], buf)) if landing is not None else None)
-            return landing.commit() if landing is not None else None
+            self._duplex(dst, pieces, src, [n for _, n in cuts], sink=sink)
+            if landing is not None and not failed:
+                return landing.commit()
         except BaseException:
             if landing is not None:
                 landing.discard()
             raise
+        if landing is not None:
+            landing.discard()
+        why = failed or bad or ([header_in["error"]] if header_in is not None and "error" in header_in else [])
+        if why:
+            raise CheckpointError(why[0])
+        return None
 
     @staticmethod
     def _tensor(data: bytes):
@@ -290,7 +330,8 @@ class PeerCopy:
 
     def _swap(self, step: int, step_dir: Path) -> None:
         make_dirs(self.root)
-        published = self.link.swap(self.buddy, _offer(step_dir), self.source, self._landing(self.root, self.source))
+        published = self.link.swap(self.buddy, _offer_or_error(step_dir), self.source,
+                                   self._landing(self.root, self.source))
         layout.apply_retention(self.root, self.keep, guard=layout.no_guard, own_staging=_staging(self.run_id),
                                label=f"peer copy {self.root}", quiet=True)
         if not self._said_first and self.tier.rank.is_main:
@@ -374,8 +415,8 @@ class PeerCopy:
                 if r == h:
                     self._land_locally(Path(path), land)
                 else:
-                    self.link.swap(r if rank.rank == h else None, _offer(Path(path)) if rank.rank == h else None,
-                                   h if rank.rank == r else None, land)
+                    self.link.swap(r if rank.rank == h else None, _offer_or_error(Path(path)) if rank.rank == h
+                                   else None, h if rank.rank == r else None, land)
             except (OSError, CheckpointError) as e:  # the load then finds no local copy and chooses again
                 _log.warning(f"warning: peer copy: step {best} of rank {r} not restored ({e})", extra=EVERY_RANK)
         local.clear()
@@ -385,11 +426,13 @@ class PeerCopy:
     @staticmethod
     def _land_locally(src: Path, land: Callable[[dict], _Landing]) -> None:
         header, files = _offer(src)
-        landing = land(header)
+        landing, bad = land(header), []
         try:
             cuts = iter(_cuts(header))
-            for piece in _chunks(files, json.loads(header["manifest"])["checksum"]):
+            for piece in _chunks(files, json.loads(header["manifest"])["checksum"], bad):
                 landing.feed(next(cuts)[0], piece)
+            if bad:
+                raise CheckpointError(bad[0])
             landing.commit()
         except BaseException:
             landing.discard()
