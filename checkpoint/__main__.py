@@ -1,10 +1,12 @@
 """`python -m checkpoint list|verify|inspect PATH` — look at checkpoints without training; `convert` between formats.
 
-    list DIR [--local LOCAL]
-                   every step folder under an experiment folder: step, tokens, loss, eval (val) loss, time, size, status
-                   (latest, the --keep-best ones, just-in-time saves); with --local LOCAL (the run's
-                   --local-checkpoint-dir), this node's local tier of the run: each rank's parts (DIR itself may be
-                   a run's folder in a local tier)
+    list DIR [--mirror MIRROR] [--local LOCAL]
+                   one row per step of the run in experiment folder DIR: step, tokens, loss, eval (val) loss, time,
+                   size, where it is held and its status (latest, the --keep-best ones, just-in-time saves). Held in:
+                   `shared` (DIR), `mirror`, `local 2/2` (this node's local tier: its ranks' parts of the world's),
+                   `peer: rank 1` (the peer copies this node holds for another node's ranks). The mirror and the
+                   local tier are the run's --mirror-dir and --local-checkpoint-dir as DIR/config.resolved.json
+                   names them, or MIRROR and LOCAL (DIR itself may be a run's folder in a local tier)
     verify PATH    check sizes and checksums of one step folder, or of every committed one under DIR (exit 1 if bad)
     inspect PATH   what a checkpoint holds: manifest, card, files, tensors of the model section
     convert SRC DST --to vanilla|dcp
@@ -18,15 +20,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import layout, logs, storage
 from .errors import CheckpointError
 from .fsio import MiB
 from .convert import FORMATS
+from .peer import PEER_DIR  # <tier>/peer/rank-N/step-M: the copies this node holds of rank N's parts
 from .reader import check_each, read_section, targets as _targets
 from .tier import tier_root
 
@@ -48,87 +53,205 @@ def _num(x, fmt: str = ".4f") -> str:
     return format(x, fmt) if isinstance(x, (int, float)) else "-"
 
 
-def cmd_list(path: Path, local: Path | None = None) -> int:
-    if local is None and _rank_dirs(path):
-        return _list_local(path)
-    if local is not None:
-        local = _local_run_folder(local, path)
-    infos = layout.list_checkpoints(path)
-    if not infos and local is not None:
-        print(f"no checkpoints under {path} yet")
-        return _list_local(local)
-    if not infos:
-        raise CheckpointError(f"no checkpoints under {path} (expected an experiment folder holding step-N folders)")
+# train.py writes it into the run folder (flags.RESOLVED_CONFIG): every flag's final value, rewritten at each start, so
+# it names the mirror and the local tier the run uses now; the library does not import train.py's flags module.
+RESOLVED_CONFIG = "config.resolved.json"
+
+
+@dataclass
+class _Place:
+    """Where copies of the run's steps may be: ``root``, how it was found, whether it is there."""
+    name: str
+    root: object
+    found: str = ""
+    present: bool = True
+    tier: bool = False  # a node-local tier: rank-N folders of parts and peer/rank-N folders of peer copies
+
+
+@dataclass
+class _Step:
+    """One step's copies: full checkpoints (shared folder, mirror) and this node's parts (by rank)."""
+    full: dict = field(default_factory=dict)  # place name -> CheckpointInfo
+    local: dict = field(default_factory=dict)  # rank -> CheckpointInfo
+    peer: dict = field(default_factory=dict)  # the sender's rank -> CheckpointInfo
+
+
+def _checked(info: layout.CheckpointInfo) -> str:
+    """``valid``, or what is wrong with the copy (a committed one is verified: sizes and checksums)."""
+    if not info.committed:
+        return "uncommitted (interrupted save)"
     try:
-        latest = layout.resolve(path, "latest", quiet=True)
-    except layout.NoValidCheckpoint:
-        latest = None  # each is listed INVALID below, with its reason
-    for info in infos:
-        if info.committed:
-            try:
-                info.manifest = layout.verify(info.path)
-            except CheckpointError as e:
-                info.problems.append(str(e))
+        info.manifest = layout.verify(info.path)
+        return "valid"
+    except CheckpointError as e:
+        info.problems.append(str(e))
+        return f"INVALID: {e}"
+
+
+def cmd_list(path, local: Path | None = None, mirror=None) -> int:
+    """One row per step with every place that holds it: the shared run folder, its mirror, this node's local tier
+    (each rank's part) and the peer copies this node holds for ranks of another node."""
+    places = _places(path, local, mirror)
+    steps: dict[int, _Step] = {}
+    for place in places:
+        if not place.present:
+            continue
+        if not place.tier:
+            for info in layout.list_checkpoints(place.root):
+                steps.setdefault(info.step, _Step()).full[place.name] = info
+            continue
+        for kind, folder in (("local", place.root), ("peer", place.root / PEER_DIR)):
+            for rank_dir in _rank_dirs(folder):
+                for info in layout.list_checkpoints(rank_dir):
+                    getattr(steps.setdefault(info.step, _Step()), kind)[int(rank_dir.name[5:])] = info
+    if not steps:
+        if places[0].tier:
+            raise CheckpointError(f"no local tier of this run at {places[0].root} (expected the run's "
+                                  "--local-checkpoint-dir, whose <experiment>-<key> folder holds rank-N folders)")
+        raise CheckpointError(f"no checkpoints under {path} (expected an experiment folder holding step-N folders)")
+    status = {id(info): _checked(info) for s in steps.values()
+              for info in (*s.full.values(), *s.local.values(), *s.peer.values())}
+
+    def valid(info) -> bool:
+        return status[id(info)] == "valid"
+
+    # A row's checkpoint: its first valid full copy (shared folder, then mirror), the one `latest` would load
+    main = {step: next((i for i in s.full.values() if valid(i)), None) for step, s in steps.items()}
+    full = sorted((info for info in main.values() if info is not None), key=lambda i: i.step)
+    latest = max((i.step for i in full), default=None)  # as resolve_latest over both: the newest that verifies
     # The --keep-best checkpoints (as the newest card says); without --keep-best, the single lowest eval loss.
-    newest = next((i for i in reversed(infos) if i.manifest), None)
-    keep_best = _card(newest).get("retention", {}).get("keep_best", 0) if newest else 0
-    best = layout.best_steps([i for i in infos if i.manifest], keep_best or 1)
-    print(f"{'step':>10} {'tokens':>8} {'loss':>8} {'eval':>8}  {'saved (UTC)':<19} {'size MiB':>9}  {'backend':<10} "
-          f"{'ranks':>5}  status")
-    for info in infos:
-        card = _card(info)
-        progress, saved = card.get("progress", {}), card.get("time", {}).get("saved_utc", "")
-        if not saved and info.manifest:
-            saved = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(info.manifest.get("created_unix", 0)))
-        status, backend, ranks = "uncommitted (interrupted save)", "-", "-"
-        if info.problems:
-            status = f"INVALID: {info.problems[0]}"
-        elif info.manifest:
-            backend, ranks = info.manifest["backend"], str(info.manifest["world_size"])
-            marks = ["<- latest"] if latest and latest.step == info.step else []
-            if info.step in best:
-                marks.append(f"best #{best.index(info.step) + 1}" if keep_best else "lowest eval")
+    keep_best = _card(full[-1]).get("retention", {}).get("keep_best", 0) if full else 0
+    best = layout.best_steps(full, keep_best or 1)
+
+    rows = []
+    for step in sorted(steps):
+        s, info = steps[step], main[step]
+        parts = [i for i in (*s.local.values(), *s.peer.values()) if valid(i)]
+        shown = info or (parts[0] if parts else None)  # whose card, backend and world size the row shows
+        held = [name for name, i in s.full.items() if valid(i)]
+        ranks = sorted(r for r, i in s.local.items() if valid(i))
+        if ranks:
+            world = shown.manifest["world_size"]
+            held.append(f"local {len(ranks)}/{world}" + ("" if len(ranks) == world else f" ({_ranks(ranks)})"))
+        if peers := sorted(r for r, i in s.peer.items() if valid(i)):
+            held.append(f"peer: {_ranks(peers)}")
+        problems = [(name, i) for name, i in s.full.items() if not valid(i)]
+        problems += [(f"local {_ranks([r])}", i) for r, i in sorted(s.local.items()) if not valid(i)]
+        problems += [(f"peer {_ranks([r])}", i) for r, i in sorted(s.peer.items()) if not valid(i)]
+        notes = [f"{where}: {status[id(i)]}" for where, i in problems]
+        if info is not None:
+            marks = ["<- latest"] if step == latest else []
+            if step in best:
+                marks.append(f"best #{best.index(step) + 1}" if keep_best else "lowest eval")
             if info.manifest.get("meta", {}).get("jit"):
                 marks.append("just-in-time")
-            status = "  ".join(["valid"] + marks)
-        print(f"{info.step:>10} {_count(progress.get('tokens_seen')):>8} {_num(progress.get('loss_last')):>8} "
-              f"{_num(layout.eval_loss(info) if info.manifest else None):>8}  {saved.replace('T', ' ')[:19]:<19} "
-              f"{info.size_bytes / MiB:>9.1f}  {backend:<10} {ranks:>5}  {status}")
-    return _list_local(local) if local is not None else 0
+            notes.insert(0, "  ".join(["valid"] + marks))
+        elif "shared" in s.full:  # the shared folder's copy is the step's own word on it: no place named
+            notes[0] = status[id(s.full["shared"])]
+        elif parts:
+            notes.insert(0, "valid parts")  # a part alone is not a checkpoint: a restart needs every rank's
+        size = info.size_bytes if info is not None else sum(i.size_bytes for i in parts)
+        rows.append((step, shown, size, "  ".join(held) or "-", "; ".join(notes)))
+
+    if len(places) > 1 or places[0].tier:  # which folder each place is (a run with its shared folder alone: none)
+        width = max(len(p.name) for p in places)
+        for place in places:
+            found = [place.found] if place.found else []
+            print(f"{place.name:<{width}}  {place.root}" + (f"  ({'; '.join(found + ['none here'])})"
+                                                            if not place.present else
+                                                            f"  ({found[0]})" if found else ""))
+    held_width = max(len("held in"), *(len(r[3]) for r in rows))
+    print(f"{'step':>10} {'tokens':>8} {'loss':>8} {'eval':>8}  {'saved (UTC)':<19} {'size MiB':>9}  {'backend':<10} "
+          f"{'ranks':>5}  {'held in':<{held_width}}  status")
+    for step, info, size, held, text in rows:
+        card = _card(info) if info is not None else {}
+        progress, saved = card.get("progress", {}), card.get("time", {}).get("saved_utc", "")
+        if not saved and info is not None:
+            saved = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(info.manifest.get("created_unix", 0)))
+        backend, ranks = (info.manifest["backend"], str(info.manifest["world_size"])) if info else ("-", "-")
+        print(f"{step:>10} {_count(progress.get('tokens_seen')):>8} {_num(progress.get('loss_last')):>8} "
+              f"{_num(layout.eval_loss(info) if info is not None else None):>8}  "
+              f"{saved.replace('T', ' ')[:19]:<19} {size / MiB:>9.1f}  {backend:<10} {ranks:>5}  "
+              f"{held:<{held_width}}  {text}")
+    return 0
 
 
-def _local_run_folder(local: Path, run) -> Path:
-    """The run's folder in the local tier ``local`` (its --local-checkpoint-dir, or that folder itself)."""
-    return local if _rank_dirs(local) else tier_root(local, run.name, str(run))
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}"
 
 
-def _rank_dirs(path: Path) -> list[Path]:
-    """The rank folders of a node-local tier folder (tier.py), if ``path`` is one."""
+def _places(run, local, mirror) -> list[_Place]:
+    """The places to look in: the shared run folder ``run``; its mirror and this node's local tier as given
+    (``--mirror``, ``--local``: a bad one is an error), else as the run's resolved config names them (absent ones are
+    shown as such). ``run`` may itself be the run's folder in a local tier: then that alone."""
+    if local is None and mirror is None and _is_tier(run):
+        return [_Place("local", run, "this node", tier=True)]
+    places = [_Place("shared", run)]
+    flags = _recorded_flags(run)
+    base = _training_dir(run, flags.get("checkpoint_dir"))
+    if mirror is not None:
+        root = mirror / run.name
+        if not root.is_dir():
+            root = mirror if layout.list_checkpoints(mirror) else None
+        if root is None:
+            raise CheckpointError(f"no mirror of this run at {mirror} (expected the run's --mirror-dir, holding "
+                                  f"{run.name}/step-N folders)")
+        places.append(_Place("mirror", root, "--mirror"))
+    elif (recorded := _recorded_path(flags.get("mirror_dir"), base)) is not None:
+        root = recorded / run.name
+        places.append(_Place("mirror", root, f"--mirror-dir {flags['mirror_dir']} in {RESOLVED_CONFIG}",
+                             present=root.is_dir()))
+    if local is not None:
+        root = local if _is_tier(local) else tier_root(local, run.name, str(run))
+        if not _is_tier(root):
+            raise CheckpointError(f"no local tier of this run at {root} (expected the run's --local-checkpoint-dir, "
+                                  "whose <experiment>-<key> folder holds rank-N folders)")
+        places.append(_Place("local", root, "this node, --local", tier=True))
+    elif (recorded := _recorded_path(flags.get("local_checkpoint_dir"), base)) is not None:
+        root = tier_root(recorded, run.name, str(run))
+        places.append(_Place("local", root, f"this node, --local-checkpoint-dir {flags['local_checkpoint_dir']} in "
+                             f"{RESOLVED_CONFIG}", present=_is_tier(root), tier=True))
+    return places
+
+
+def _recorded_flags(run) -> dict:
+    """The run's flags as its last start resolved them, or {} (none written: a run of an older PyRecover, a copy)."""
+    try:
+        flags = json.loads(storage.read_small(run / RESOLVED_CONFIG))
+    except (OSError, ValueError, CheckpointError):
+        return {}
+    return flags if isinstance(flags, dict) else {}
+
+
+def _training_dir(run, checkpoint_dir) -> Path:
+    """The folder train.py ran in, against which its config's relative paths count: the one that the recorded
+    relative --checkpoint-dir, joined to it, makes ``run``'s parent (else the current folder)."""
+    if isinstance(run, Path) and isinstance(checkpoint_dir, str) and "://" not in checkpoint_dir \
+            and not os.path.isabs(checkpoint_dir):
+        parent, depth = Path(os.path.realpath(run)).parent, len(Path(checkpoint_dir).parts)
+        base = parent.parents[depth - 1] if 0 < depth <= len(parent.parents) else parent
+        if os.path.realpath(base / checkpoint_dir) == str(parent):
+            return base
+    return Path.cwd()
+
+
+def _recorded_path(value, base: Path):
+    if not isinstance(value, str) or not value:
+        return None
+    return storage.as_path(value) if "://" in value or os.path.isabs(value) else base / value
+
+
+def _rank_dirs(path) -> list[Path]:
+    """The rank folders of a node-local tier folder (tier.py), or of its peer/ folder, if ``path`` is one."""
     return sorted(p for p in path.iterdir() if p.is_dir() and re.fullmatch(r"rank-\d{5,}", p.name)) \
         if isinstance(path, Path) and path.is_dir() else []
 
 
-def _list_local(folder: Path) -> int:
-    """Each rank's parts in this node's local tier (verified; a part alone is not a checkpoint: the run agrees at
-    restart on a step every rank holds)."""
-    ranks = _rank_dirs(folder)
-    if not ranks:
-        raise CheckpointError(f"no local tier of this run at {folder} (expected the run's --local-checkpoint-dir, "
-                              "whose <experiment>-<key> folder holds rank-N folders)")
-    print(f"\nlocal tier {folder} (this node):")
-    print(f"{'rank':>6} {'step':>10}  {'size MiB':>9}  status")
-    for rank_dir in ranks:
-        for info in layout.list_checkpoints(rank_dir):
-            status = "uncommitted (interrupted save)"
-            if info.committed:
-                try:
-                    info.manifest = layout.verify(info.path)
-                    shared = any(n.endswith(".pt") and not n.startswith("rank-") for n in info.manifest["files"])
-                    status = "valid" + ("  (with the replicated pieces: node leader)" if shared else "")
-                except CheckpointError as e:
-                    status = f"INVALID: {e}"
-            print(f"{rank_dir.name[5:].lstrip('0') or '0':>6} {info.step:>10}  {info.size_bytes / MiB:>9.1f}  {status}")
-    return 0
+def _is_tier(path) -> bool:
+    """Whether ``path`` is a run's folder in a node-local tier: its ranks' folders, or only peer copies."""
+    if not isinstance(path, Path) or path.name == PEER_DIR:  # peer/ holds rank folders too, of other nodes' ranks
+        return False
+    return bool(_rank_dirs(path) or _rank_dirs(path / PEER_DIR))
 
 
 def cmd_verify(path: Path) -> int:
@@ -185,7 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("list", "verify", "inspect"):
         sub.add_parser(name).add_argument("path", type=storage.as_path)
     sub.choices["list"].add_argument("--local", type=Path, default=None, metavar="LOCAL",
-                                     help="also this node's local tier of the run: its --local-checkpoint-dir")
+                                     help="this node's local tier of the run: its --local-checkpoint-dir (default: "
+                                          "as the run's config.resolved.json names it)")
+    sub.choices["list"].add_argument("--mirror", type=storage.as_path, default=None, metavar="MIRROR",
+                                     help="the run's --mirror-dir (default: as its config.resolved.json names it)")
     conv = sub.add_parser("convert", help="rewrite a checkpoint in another backend's format")
     conv.add_argument("src", help="step folder, or experiment folder (its latest)")
     conv.add_argument("dst", help="experiment folder (result: DST/step-N) or a step-N folder")
@@ -201,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.path.exists():
             raise CheckpointError(f"{args.path} does not exist")
         if args.cmd == "list":
-            return cmd_list(args.path, args.local)
+            return cmd_list(args.path, args.local, args.mirror)
         return {"verify": cmd_verify, "inspect": cmd_inspect}[args.cmd](args.path)
     except (CheckpointError, OSError) as e:  # bad input is one line, never a traceback
         print(f"error: {e}", file=sys.stderr)

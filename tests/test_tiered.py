@@ -139,6 +139,11 @@ def test_peer_copy_restores_a_lost_nodes_newest_local_step_and_losing_its_buddys
     killed = kill_run_at_row(torchrun_cmd(2, args), csv, first, env=env, ready=lambda: everywhere() >= first - 2)
     expect = everywhere()
     assert SHARED_EVERY < expect <= killed + 1, (expect, killed)
+    # `list` by the run folder alone finds the tier through the run's config: both parts and both peer copies
+    listing = subprocess.run([PY, "-m", "checkpoint", "list", str(ckpt / "run")], capture_output=True, text=True,
+                             cwd=ROOT, env=env_for_tests(), timeout=120)
+    assert re.search(rf"^\s+{expect}\s.*  local 2/2  peer: ranks 0,1\s+valid parts$", listing.stdout, re.M), \
+        listing.stdout + listing.stderr
     shutil.rmtree(own(1))  # node 1 is lost: its own parts and the copy of node 0 it held
     shutil.rmtree(kept(0))
     out = run_torchrun(2, args, env={**TWO_NODES, "PYRECOVER_CRASH_AT_STEP": "29:0"})
