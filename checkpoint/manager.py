@@ -86,8 +86,6 @@ class CheckpointManager:
         self.tier = tier  # --local-checkpoint-dir: every save lands there first; some are drained here (tier.py)
         self._drainer = Drainer(tier, self._land, self._drain_failed) if tier is not None else None
         self.peer = peer  # --peer-checkpoint: every local step is also kept on the next node (peer.py)
-        if tier is not None:  # every save lands in the local tier: overwrite its retired files there
-            backend.spares = tier.spares
         self._fenced_logged = False
         self.in_flight: deque[SaveHandle] = deque()
         self.history: list[SaveRecord] = []
@@ -112,8 +110,10 @@ class CheckpointManager:
         try:
             if tier is not None:  # fenced: the local publish refuses (its guard), as the shared commit does
                 local_dir = tier.save_dir(self.run_id, step)
-                tier.check_space(lambda: part_bytes(state, self.backend.writes_shared))
-            payload = self.backend.save(local_dir or step_dir, state)
+                tier.check_space(lambda: part_bytes(state, tier.writes_shared))
+            # in the local tier the node leader writes the shared pieces, and retired local files are overwritten
+            payload = (self.backend.save(local_dir, state, shared=tier.writes_shared, spares=tier.spares)
+                       if tier is not None else self.backend.save(step_dir, state))
         except (OSError, CheckpointError) as e:
             raise self._save_failed(step, step_dir, e, local=local_dir, in_tier=tier is not None) from None
         record = SaveRecord(step, blocking_s=time.perf_counter() - t0)
@@ -544,7 +544,7 @@ class CheckpointManager:
                     self.peer.clear()
         step = self.load(spec, state) if spec else None
         if self.tier is not None:  # pre-flight: the local tier holds what is known of the state now
-            self.tier.check_space(lambda: part_bytes(state, self.backend.writes_shared), first_save=False)
+            self.tier.check_space(lambda: part_bytes(state, self.tier.writes_shared), first_save=False)
         return step
 
     def follow(self, step: int | None, *, keep_files: tuple[str, ...] = ()) -> None:

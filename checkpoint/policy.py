@@ -68,19 +68,28 @@ _OUTCOME_CODES = {REQUEUED: 1, STOPPED: 2, REQUEUE_FAILED: 3}  # rank 0's outcom
 
 @dataclass
 class IntervalPolicy:
-    """Save every ``every_steps`` steps (0 = never on a schedule) and always at the final step. ``stretch`` > 0
-    (knobs.save_stretch, benchmarks only): interval saves only within the odd-numbered stretches of that many steps."""
+    """Save every ``every_steps`` steps (0 = never on a schedule) and always at the final step. With a node-local tier
+    (``local_every`` > 0) a save every ``local_every`` steps lands there, and only every ``every_steps``-th goes on to
+    the shared tier (``shared``). ``stretch`` > 0 (knobs.save_stretch, benchmarks only): interval saves only within the
+    odd-numbered stretches of that many steps."""
 
     every_steps: int
     final_step: int
     stretch: int = 0
+    local_every: int = 0
 
     def due(self, step: int) -> bool:
         if step == self.final_step:
             return True
         if self.stretch and (step - 1) // self.stretch % 2:
             return False
-        return self.every_steps > 0 and step % self.every_steps == 0
+        every = self.local_every or self.every_steps
+        return every > 0 and step % every == 0
+
+    def shared(self, step: int) -> bool:
+        """Whether an interval save of ``step`` also goes to the shared tier (always, without a local tier)."""
+        return (not self.local_every or step == self.final_step
+                or (self.every_steps > 0 and step % self.every_steps == 0))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -244,6 +253,7 @@ class Decision:
     save: bool = False
     stop: bool = False
     vote: int = NONE
+    shared: bool = False  # the save goes to the shared tier too (with a local tier, not every one does)
 
     @property
     def reason(self) -> str:
@@ -315,7 +325,9 @@ class StepBoundary:
     def resolve(self, agreed: int, step: int) -> Decision:
         stop = agreed >= WALLTIME
         save = (self.interval.due(step) or agreed >= INTERVAL) and agreed != FENCED
-        decision = Decision(save=save, stop=stop, vote=agreed)
+        # a save a vote asked for (a stop, the wall-clock interval) goes everywhere: it may be the last one
+        shared = save and (agreed >= INTERVAL or self.interval.shared(step))
+        decision = Decision(save=save, stop=stop, vote=agreed, shared=shared)
         if save and self.every_minutes is not None:
             self.every_minutes.reset()
         if stop and self.stopped is None:
@@ -433,8 +445,10 @@ class When:
 
 def step_boundary(when: When, *, rank: int, agree: Callable[[float], float], signals: SignalWatcher | None,
                   save_history: Sequence | None = None, start: float | None = None,
-                  environ: Mapping[str, str] = os.environ, fenced: Callable[[], bool] | None = None) -> StepBoundary:
-    """The step-boundary policy for ``when``. Walltime and the wall-clock interval are decided on rank 0 (one
+                  environ: Mapping[str, str] = os.environ, fenced: Callable[[], bool] | None = None,
+                  local_every: int = 0) -> StepBoundary:
+    """The step-boundary policy for ``when`` (``local_every``: the node-local tier's interval, see IntervalPolicy).
+    Walltime and the wall-clock interval are decided on rank 0 (one
     ``squeue`` per job, not per rank); the all-reduce carries the decision to the others."""
     walltime = None
     if when.walltime_aware and rank == 0:
@@ -442,7 +456,7 @@ def step_boundary(when: When, *, rank: int, agree: Callable[[float], float], sig
         walltime = WalltimePolicy(reader, margin_s=when.walltime_margin_s)
         walltime.start()
     every = WallClockInterval(when.every_minutes) if when.every_minutes and rank == 0 else None
-    interval = IntervalPolicy(when.every_steps, when.final_step, knobs.save_stretch(environ))
+    interval = IntervalPolicy(when.every_steps, when.final_step, knobs.save_stretch(environ), local_every)
     return StepBoundary(interval, agree=agree, rank=rank,
                         signals=signals, walltime=walltime, every_minutes=every,
                         requeue=RequeueSettings(when.requeue, when.max_restarts), environ=environ,

@@ -320,7 +320,6 @@ class Session:
             _say(f"warning: --peer-checkpoint: {why}; the local tier goes on without a peer copy")
         tier = LocalTier(s.local_dir, s.experiment, self.rank, leader=leader, identity=identity, keep=s.local_keep,
                          copies=2 if order else 1)
-        self.backend.writes_shared = tier.writes_shared
         if not order:
             return tier, None
         link = Link(self.rank, timeout_s=s.peer_timeout_s)  # collective: every rank, in the same order
@@ -341,12 +340,10 @@ class Session:
         retired, so a later `latest` cannot jump back to them; the mirror starts; the stop policy is set up."""
         self.manager.follow(step, keep_files=self.settings.keep_files)
         main = self.rank.is_main
-        when = self.settings.when
-        if self.settings.local_dir:  # every save goes to the local tier; step_boundary decides which are drained
-            when = replace(when, every_steps=self.settings.local_every or when.every_steps)
-        self.policy = step_boundary(when, rank=self.rank.rank, agree=self.agree, signals=self.signals,
+        self.policy = step_boundary(self.settings.when, rank=self.rank.rank, agree=self.agree, signals=self.signals,
                                     save_history=self.manager.history, start=self.started,
-                                    fenced=(lambda: self.manager.fenced) if main else None)
+                                    fenced=(lambda: self.manager.fenced) if main else None,
+                                    local_every=self.settings.local_every if self.settings.local_dir else 0)
 
     def start(self) -> None:
         """Right before the loop: from now on a stop signal means 'save at the next step boundary and stop'."""
@@ -376,20 +373,13 @@ class Session:
             self.manager.poll()  # surface background save errors at a step boundary
             if decision.save:
                 rushed = decision.vote not in (NONE, INTERVAL)
-                self.manager.save(step, self.state, meta=describe(rushed), shared=self._shared_due(step, decision.vote))
+                self.manager.save(step, self.state, meta=describe(rushed), shared=decision.shared)
                 self._saved_at = step
         except run_lease.Fenced:
             pass  # a newer incarnation owns the run directory: the policy's next vote stops every rank, saving nothing
         except CheckpointError as e:  # e.g. disk full
             self._save_failed(e, step)
         return decision.stop
-
-    def _shared_due(self, step: int, vote: int) -> bool:
-        """Whether this save goes to the shared tier: always without a local tier; with one, at the shared interval,
-        the final step, and every save a vote asked for (a stop, the wall-clock interval)."""
-        when = self.settings.when
-        return (not self.settings.local_dir or vote != NONE or step == when.final_step
-                or (when.every_steps > 0 and step % when.every_steps == 0))
 
     def _save_failed(self, error: CheckpointError, step: int) -> None:
         if self.settings.on_save_error == "stop":

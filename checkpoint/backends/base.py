@@ -135,12 +135,6 @@ class Backend(ABC):
 
     def __init__(self, rank: RankInfo):
         self.rank = rank
-        #: this rank writes the shared (replicated) pieces of a non-sharded state: rank 0, and in the node-local tier
-        #: every node's first rank (tier.py), so each node can restore from its own memory
-        self.writes_shared = rank.is_main
-        #: files this backend may overwrite instead of creating new ones (``take(nbytes) -> Path | None``): the local
-        #: tier's retired payload files (tier.Spares); None: always new files
-        self.spares = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -203,8 +197,12 @@ class Backend(ABC):
                                   f"{type(piece).__name__}(..., sharded={self.sharded})")
 
     @abstractmethod
-    def save(self, step_dir: Path, state: CheckpointState) -> PayloadHandle:
-        """Write this rank's share of ``state`` under ``step_dir`` (already created)."""
+    def save(self, step_dir: Path, state: CheckpointState, *, shared: bool | None = None,
+             spares=None) -> PayloadHandle:
+        """Write this rank's share of ``state`` under ``step_dir`` (already created). ``shared``: this rank writes
+        the shared (replicated) pieces of a non-sharded state (None: rank 0; in the node-local tier every node's first
+        rank, so each node can restore from its own memory). ``spares``: files the save may overwrite instead of
+        creating new ones (``take(nbytes) -> Path | None``: the local tier's retired payload files, tier.Spares)."""
 
     @abstractmethod
     def load(self, step_dir: Path, manifest: dict, state: CheckpointState, *, verified: dict | None = None) -> None:

@@ -115,7 +115,8 @@ class BufferPool:
 
 # --- one save in flight ---------------------------------------------------------------------------------------------
 class _Snapshot(PayloadHandle):
-    def __init__(self, backend: "ConcurrentBackend", step_dir: Path, plan: Plan, buf: BufferSet):
+    def __init__(self, backend: "ConcurrentBackend", step_dir: Path, plan: Plan, buf: BufferSet, spares=None):
+        self.spares = spares  # files this save may overwrite (Backend.save)
         self.backend = backend
         self.step_dir = step_dir
         self.plan = plan
@@ -213,7 +214,7 @@ class _Snapshot(PayloadHandle):
             fault_point("concurrent_persist_begin", self.step_dir)
             if not self.backend.pipeline:
                 self._wait_copied(self.plan.nbytes)  # write only once the whole snapshot is staged
-            spares = self.backend.spares
+            spares = self.spares
             for fp in self.plan.files:
                 path = self.step_dir / fp.name
                 self.files[fp.name] = atomic_write(path, lambda w, fp=fp, path=path: self._fill(w, fp, path),
@@ -313,10 +314,11 @@ class ConcurrentBackend(Backend):
             self._streams[device] = torch.cuda.Stream(device=device)
         return self._streams[device]
 
-    def save(self, step_dir: Path, state: CheckpointState) -> PayloadHandle:
+    def save(self, step_dir: Path, state: CheckpointState, *, shared: bool | None = None,
+             spares=None) -> PayloadHandle:
         self.check_state(state)
         t0 = time.perf_counter()
-        plan = plan_pieces(payload_pieces(state, self.rank.rank, shared=self.writes_shared))
+        plan = plan_pieces(payload_pieces(state, self.rank.rank, shared=self.rank.is_main if shared is None else shared))
         pin = torch.cuda.is_available() and any(t.device.type == "cuda" for t, _ in plan.copies)
         with self._lock:
             in_flight = sum(1 for s in self._active if not s.done()) + 1
@@ -328,7 +330,7 @@ class ConcurrentBackend(Backend):
         buf = self.pool.acquire(plan.nbytes, pin, f"a {plan.nbytes / MiB:.1f} MiB state")
         self.state_bytes = max(self.state_bytes, plan.nbytes)
         try:
-            snap = _Snapshot(self, step_dir, plan, buf)
+            snap = _Snapshot(self, step_dir, plan, buf, spares)
         except BaseException:
             self.pool.release(buf)
             raise

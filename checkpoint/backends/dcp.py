@@ -511,7 +511,8 @@ class DCPBackend(Backend):
                                   async_stager=self._async_stager(), no_dist=False)
         return _AsyncPayload(response, writer.fs, files, step_dir, records_file)
 
-    def save(self, step_dir: Path, state: CheckpointState) -> PayloadHandle:
+    def save(self, step_dir: Path, state: CheckpointState, *, shared: bool | None = None,
+             spares=None) -> PayloadHandle:  # noqa: ARG002 - refused with the local tier: rank 0 writes the rest
         self.check_state(state)
         tensors = {k: state[k].state_dict() for k in TENSOR_KEYS if k in state}
         files = self._write_rest(step_dir, state)

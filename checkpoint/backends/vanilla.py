@@ -23,9 +23,10 @@ class VanillaBackend(Backend):
     parse_file = staticmethod(parse_file)
     files_read = staticmethod(files_read)
 
-    def save(self, step_dir: Path, state: CheckpointState) -> PayloadHandle:
+    def save(self, step_dir: Path, state: CheckpointState, *, shared: bool | None = None,
+             spares=None) -> PayloadHandle:  # noqa: ARG002 - torch.save makes its files anew
         self.check_state(state)
-        pieces = payload_pieces(state, self.rank.rank, shared=self.writes_shared)
+        pieces = payload_pieces(state, self.rank.rank, shared=self.rank.is_main if shared is None else shared)
         return CompletedPayload(save_pieces(step_dir, pieces, self.rank.rank))
 
     def load(self, step_dir: Path, manifest: dict, state: CheckpointState, *, verified: dict | None = None) -> None:
