@@ -391,8 +391,8 @@ class PeerCopy:
             # a rank with no local step at all lost its node's tier; without a copy elsewhere its newest part is gone
             lost = [r for r in range(rank.world_size) if newest not in avail[r] and not everyone[r][0]]
             if lost and rank.is_main:
-                _log.warning(f"peer copy: step {newest} is lost for rank(s) {', '.join(map(str, lost))} (its node and "
-                             "its buddy's); resuming from an older step")
+                _log.warning(f"peer copy: step {newest} is lost for rank(s) {', '.join(map(str, lost))} (no surviving "
+                             "node holds their part); resuming from an older step")
         if best is None or (floor is not None and best <= floor):
             return []
         plan = []  # (receiver, holder): the holder's node has the receiver's part of ``best``

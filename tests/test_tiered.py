@@ -163,8 +163,8 @@ def test_peer_copy_restores_a_lost_nodes_newest_local_step_and_losing_its_buddys
     assert step == expect and where == "2 of 2 ranks from the shared tier" or "from the shared tier" in where, (
         step, where, text[-3000:])
     assert step == expect, (step, expect)  # the shared tier's newest: the step restored and drained above
-    assert (f"peer copy: step {newest} is lost for rank(s) 1 (its node and its buddy's); resuming from an older "
-            "step") in text, text[-3000:]
+    assert (f"peer copy: step {newest} is lost for rank(s) 1 (no surviving node holds their part); resuming from an "
+            "older step") in text, text[-3000:]
     final = ckpt / "run" / f"step-{STEPS:08d}"
     assert check_weights(final, reference / f"step-{STEPS:08d}", "--optimizer").returncode == 0
     assert loss_rows(csv) == loss_rows(reference / "loss.csv")

@@ -12,6 +12,7 @@
 #   tests/slurm/cluster.sh start-node NODE     (--nodes) start the node's slurmd again after kill-node
 #   tests/slurm/cluster.sh cut-node NODE       (--nodes) take the node's link down: a network partition
 #   tests/slurm/cluster.sh mend-node NODE      (--nodes) bring the link up again
+#   tests/slurm/cluster.sh wipe-scratch NODE   (--nodes) empty the node-local scratch of a killed node: its disk is lost
 #
 # Without --nodes: one node, named like this machine, on 127.0.0.1.
 # With --nodes N: nodes pyr-node1..N, each slurmd in its own network, UTS and mount namespace (its own hostname, its
@@ -419,7 +420,7 @@ all_running() {
     for d in $(daemon_names); do daemon_is "$d" || return 1; done
 }
 
-cmd_node() {  # kill-node | start-node | cut-node | mend-node NODE
+cmd_node() {  # kill-node | start-node | cut-node | mend-node | wipe-scratch NODE
     need_root
     local node=$NODE_ARG
     [[ -n $node ]] || die "usage: $0 $COMMAND NODE --nodes N"
@@ -434,6 +435,13 @@ cmd_node() {  # kill-node | start-node | cut-node | mend-node NODE
             ;;
         cut-node) ip link set "$(node_veth "$node")" down; log "link of $node down" ;;
         mend-node) ip link set "$(node_veth "$node")" up; log "link of $node up" ;;
+        wipe-scratch)
+            # a running node would go on writing into the directory being emptied: only a lost node loses its disk
+            [[ -z $(node_pids "$node") ]] || die "$node still runs processes: kill-node $node first"
+            local dir=$STATE_DIR/local/$node  # the host side of the node's bind mount at $SCRATCH (start_node)
+            find "$dir" -mindepth 1 -delete
+            log "scratch of $node emptied ($dir)"
+            ;;
     esac
 }
 
@@ -574,9 +582,9 @@ case $COMMAND in
     status) cmd_status ;;
     env) echo "export SLURM_CONF=$CONF" ;;
     version) slurm_version ;;
-    kill-node | start-node | cut-node | mend-node)
+    kill-node | start-node | cut-node | mend-node | wipe-scratch)
         [[ $MULTI == 1 ]] || die "$COMMAND is for a multi-node cluster: add --nodes N"
         cmd_node ;;
-    *) echo "usage: $0 {install|start|stop|status|env|version} [--nodes N] | {kill,start,cut,mend}-node NODE --nodes N" >&2
+    *) echo "usage: $0 {install|start|stop|status|env|version} [--nodes N] | {kill,start,cut,mend}-node|wipe-scratch NODE --nodes N" >&2
        exit 2 ;;
 esac

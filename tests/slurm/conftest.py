@@ -35,8 +35,9 @@ CLUSTER_SH = HERE / "cluster.sh"
 DEFAULT_STATE_DIR = "/tmp/pyrecover-slurm"
 MULTINODE_STATE_DIR = "/tmp/pyrecover-slurm-multi"
 # test_multinode.py runs its scenarios side by side, each on its own nodes (a node loss must hit only its own job):
-# 1-2 time limit (vanilla and dcp), 3-4 node loss with JIT, 5-6 node loss without, 7-9 partition (needs a spare node)
-MULTINODE_NODES = 11
+# 1-2 time limit (vanilla and dcp), 3-4 node loss with JIT, 5-6 node loss without, 7-9 partition (needs a spare node),
+# 10-11 local tiers, 12-14 and 15-17 node and scratch loss with and without a peer copy (2 nodes and a spare each)
+MULTINODE_NODES = 17
 MULTINODE_CPUS = 4  # per emulated node; the jobs are 1 rank per node, two jobs may share a node (--overcommit)
 REQUIRED_BINARIES = ("munged", "slurmctld", "slurmd", "sinfo", "squeue", "sbatch", "srun", "scontrol", "scancel")
 
@@ -307,10 +308,16 @@ class MultiNodeCluster(SlurmCluster):
 
     def node_sh(self, cmd: str, node: str) -> None:
         """``kill-node`` (SIGKILL every process of the node), ``start-node`` (its slurmd again), ``cut-node`` (its
-        link down: a partition; its processes keep running), ``mend-node``."""
+        link down: a partition; its processes keep running), ``mend-node``, ``wipe-scratch`` (empty the node-local
+        scratch of a killed node: its disk is lost too)."""
         proc = _cluster_sh(cmd, 60, node, "--nodes", str(len(self.nodes)), env=self._sh_env)
         if proc.returncode != 0:
             raise RuntimeError(f"cluster.sh {cmd} {node} failed:\n{_tail(proc)}")
+
+    def scratch(self, node: str) -> Path:
+        """``node``'s node-local scratch (its $TMPDIR) as the host sees it: cluster.sh bind-mounts this folder at
+        ``<state dir>/scratch`` in the node's mount namespace."""
+        return self.state_dir / "local" / node
 
     def node_pids(self, node: str) -> list[int]:
         """Every process of ``node`` (its network namespace)."""

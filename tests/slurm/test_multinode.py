@@ -1,15 +1,16 @@
 """Two SLURM nodes, one rank on each: submit-training-simple.sh across real TCP between network namespaces, and what
 happens when a whole node is lost or cut off.
 
-The cluster (fixture ``slurm_multinode``, ``cluster.sh start --nodes 11``) emulates each node by a slurmd in its own
+The cluster (fixture ``slurm_multinode``, ``cluster.sh start --nodes 17``) emulates each node by a slurmd in its own
 network, UTS and mount namespace: its own hostname and IP on a private bridge, its own node-local $TMPDIR; the
 checkpoint directory is on the shared filesystem. The scenarios run side by side, each on its own nodes (a node loss
 must hit only its own job), each driven by a thread; the uninterrupted reference run (torchrun, 2 ranks) runs beside
 them. Every scenario ends bitwise equal to the reference (weights, optimizer, loss rows).
 
 Node faults are whole-node: ``kill-node`` SIGKILLs every process of the node's namespace (slurmd, slurmstepd, the rank),
-``cut-node`` takes its link down (its processes keep running, unreachable). SLURM notices a silent node after
-SlurmdTimeout (10 s here; ~30 s until it is DOWN), ends the job with NODE_FAIL and requeues it (--requeue).
+``cut-node`` takes its link down (its processes keep running, unreachable); ``wipe-scratch`` after ``kill-node`` loses
+the node's disk too. SLURM notices a silent node after SlurmdTimeout (10 s here; ~30 s until it is DOWN), ends the job
+with NODE_FAIL and requeues it (--requeue) -- onto a spare node where the job may run on any 2 of 3.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ pytestmark = pytest.mark.slurm
 
 ONE_RANK_PER_NODE = ("--nodes=2", "--ntasks-per-node=1")
 KILL_AT_ROW = 30  # after the periodic checkpoint of step 25 (test_training.TRAIN_FLAGS), well before step 50
+# node and scratch loss: past the shared tier's step 20, between two local saves (every 2 steps)
+SCRATCH_LOSS_AT_ROW = 27
 MINE: list[int] = []
 
 # PYTHON for the node-loss jobs: train.py as usual (output to the job), plus its exit code and a copy of its output in
@@ -171,6 +174,55 @@ def drive_tiered_whole_job_kill(cluster, base: Path, corpus: str) -> dict:
     return {"job": job, "info": info, "crashed_at": crashed_at, "killed_at": killed_at, "seed": seed}
 
 
+def drive_node_and_scratch_loss(cluster, base: Path, corpus: str, name: str, nodes: list[str], peer: bool) -> dict:
+    """A local tier in each node's scratch (every 2 steps; the shared tier every 20), the job free to run on any 2 of
+    its 3 `nodes`. After the shared step 20, rank 1's node loses every process and its scratch (a dead node, disk and
+    all); SLURM requeues the job onto the survivor and the spare -- the dead node stays down until the job is done.
+    With `peer` (--peer-checkpoint) the survivor holds a copy of the dead node's local steps, so the rerun resumes from
+    the newest local step; without, from the shared tier's step 20."""
+    others = [n for n in cluster.nodes if n not in nodes]
+    local = cluster.state_dir / "scratch" / "tier"
+    job = submit(cluster, base, name, corpus, f"--exclude={','.join(others)}", "--time=5", sleep=0.3,
+                 train_args=("--local-checkpoint-dir", str(local), "--local-checkpoint-frequency", "2",
+                             "--checkpoint-frequency", "20", *(("--peer-checkpoint",) if peer else ())))
+    job.wait_output(r"checkpoint step 20 committed in the shared tier", timeout=600)
+    job.wait_rows(SCRATCH_LOSS_AT_ROW, timeout=600)
+    first_nodes = nodes_of(cluster, job)
+    victim = first_nodes[1]
+    try:
+        cluster.node_sh("kill-node", victim)
+        killed_at = job.rows()
+        scratch = cluster.scratch(victim)
+        held = sorted(str(p.relative_to(scratch)) for p in scratch.rglob("rank-*") if p.is_dir())
+        cluster.node_sh("wipe-scratch", victim)
+        left = sorted(p.name for p in scratch.iterdir())
+        t0 = time.monotonic()
+        wait_for(lambda: restarts(cluster, job) >= 1, f"{name}: SLURM to requeue after the node loss", timeout=300)
+        t_requeued = time.monotonic() - t0
+        # what survived the loss, taken while the requeued job is held (~11 s) and the first run's ranks are gone
+        survivor = first_nodes[0]
+        wait_for(lambda: not cluster.task_pids(survivor, job.id), f"{name}: the survivor's rank to end", timeout=60)
+        survived = _committed_parts(cluster.scratch(survivor))
+        info = cluster.wait_for_state(job.id, "COMPLETED", timeout=600)
+        new_nodes = nodes_of(cluster, job)
+    finally:
+        cluster.node_sh("start-node", victim)
+    timing(f"node and scratch loss ({name}): killed at row {killed_at}, requeued {t_requeued:.1f}s after the node "
+           f"died, done {time.monotonic() - job.t_submit:.1f}s after submit")
+    return {"job": job, "info": info, "victim": victim, "killed_at": killed_at, "pool": nodes, "nodes": first_nodes,
+            "new_nodes": new_nodes, "held": held, "left": left, "survived": survived}
+
+
+def _committed_parts(scratch: Path) -> dict[int, set[int]]:
+    """Rank -> the steps of that rank's part committed in a node's scratch: its own local tier folders and the peer
+    copies it keeps for other nodes (checkpoint/tier.py, checkpoint/peer.py)."""
+    parts: dict[int, set[int]] = {}
+    for marker in scratch.glob("tier/*/**/rank-*/step-*/COMMITTED"):
+        step_dir = marker.parent
+        parts.setdefault(int(step_dir.parent.name.split("-")[1]), set()).add(int(step_dir.name.split("-")[1]))
+    return parts
+
+
 def _signal(pids: list[int], sig: int) -> None:
     for pid in pids:
         try:
@@ -240,6 +292,12 @@ SCENARIOS = {
         lambda c, b, k: drive_node_loss(c, b, k, "mn-loss", "pyr-node[5-6]", jit=False),
     "test_partitioned_rank_is_fenced_and_changes_nothing": drive_partition,
     "test_whole_job_kill_with_a_local_tier_per_node_resumes_from_the_local_tiers": drive_tiered_whole_job_kill,
+    "test_lost_node_and_scratch_peer_copy_resumes_from_the_newest_local_step_on_the_spare":
+        lambda c, b, k: drive_node_and_scratch_loss(c, b, k, "mn-peer", ["pyr-node12", "pyr-node13", "pyr-node14"],
+                                                    peer=True),
+    "test_lost_node_and_scratch_without_peer_copy_resumes_from_the_shared_step_on_the_spare":
+        lambda c, b, k: drive_node_and_scratch_loss(c, b, k, "mn-nopeer", ["pyr-node15", "pyr-node16", "pyr-node17"],
+                                                    peer=False),
 }
 # Scenarios that start only once another has finished: the partition scenario freezes a fresh incarnation for the
 # stale rank's whole collective timeout, and the extra load of the tiered scenario's kills and restarts beside it
@@ -394,3 +452,47 @@ def test_whole_job_kill_with_a_local_tier_per_node_resumes_from_the_local_tiers(
     assert 20 < step <= r["killed_at"] and r["killed_at"] - step <= 3, (r["seed"], step, r["killed_at"])
     assert f"checkpoint step {step} committed in the shared tier" in kill  # drained right after the restore
     assert_resumed_and_finished(job, out, first, campaign("reference"), runs=3)
+
+
+def _lost_node_and_scratch(campaign, name: str) -> tuple[dict, str, str]:
+    """The scenario's result, the output before and after the requeue: the dead node's scratch held its rank's local
+    tier and was emptied, the job was requeued once onto the survivor and the spare, and it ended well."""
+    r = campaign(name)
+    job, info = r["job"], r["info"]
+    out = job.output()
+    assert info.get("ExitCode") == "0:0" and int(info.get("Restarts", 0)) >= 1, info
+    assert any(h.endswith("rank-00001") for h in r["held"]) and r["left"] == [], (r["held"], r["left"])
+    # the rerun: the survivor and the spare
+    assert set(r["new_nodes"]) == set(r["pool"]) - {r["victim"]}, (r["nodes"], r["victim"], r["new_nodes"])
+    first, rerun = out.split("requeued run (SLURM_RESTART_COUNT=1)", 1)
+    assert re.search(rf"Node failure on {r['victim']}|NODE FAILURE", first), first[-3000:]
+    return r, first, rerun
+
+
+def test_lost_node_and_scratch_peer_copy_resumes_from_the_newest_local_step_on_the_spare(campaign):
+    r, first, rerun = _lost_node_and_scratch(
+        campaign, "test_lost_node_and_scratch_peer_copy_resumes_from_the_newest_local_step_on_the_spare")
+    job, killed_at = r["job"], r["killed_at"]
+    held = r["held"]
+    assert any(re.search(r"/peer/rank-00000$", h) for h in held), held  # the dead node held its buddy's steps too
+    m = re.search(r"resumed from \S+ \(step (\d+), vanilla backend; 2 of 2 ranks from their local tier \(1 from a peer "
+                  r"copy\)", rerun)
+    assert m, rerun[-4000:]
+    step = int(m.group(1))
+    # the newest step whose every part survived on the survivor (the spare has nothing): its own local tier and the
+    # peer copies of the dead node's rank, which, sent in the background, may be a save behind the dead node's own
+    newest = max(set.intersection(*(r["survived"].get(rank, set()) for rank in range(2))), default=None)
+    assert step == newest and 20 < step <= killed_at, (step, killed_at, r["survived"])
+    assert re.search(rf"peer copy: step {step} for rank\(s\) [\d, ]+ from a copy on another node", rerun), rerun[-4000:]
+    assert f"checkpoint step {step} committed in the shared tier" in rerun  # drained right after the restore
+    assert_resumed_and_finished(job, job.output(), step, campaign("reference"), runs=2)
+
+
+def test_lost_node_and_scratch_without_peer_copy_resumes_from_the_shared_step_on_the_spare(campaign):
+    r, first, rerun = _lost_node_and_scratch(
+        campaign, "test_lost_node_and_scratch_without_peer_copy_resumes_from_the_shared_step_on_the_spare")
+    assert not any("/peer/" in h for h in r["held"]) and "peer copy" not in r["job"].output(), r["held"]
+    # the survivor's newer local steps are no use without the dead node's: the shared tier's step 20, as before
+    assert re.search(r"resumed from \S+ \(step 20, vanilla backend; \d of 2 ranks from their local tier, \d from the "
+                     r"shared tier", rerun), rerun[-4000:]
+    assert_resumed_and_finished(r["job"], r["job"].output(), 20, campaign("reference"), runs=2)
