@@ -93,11 +93,14 @@ class CheckpointManager:
         self.loaded: layout.CheckpointInfo | None = None  # what load() restored (its manifest holds the card)
 
     # --- save ----------------------------------------------------------------------------------------------------
-    def save(self, step: int, state: CheckpointState, meta: dict | None = None, *, shared: bool = True) -> SaveHandle:
+    def save(self, step: int, state: CheckpointState, meta: dict | None = None, *, shared: bool = True,
+             peer: bool = True) -> SaveHandle:
         """Start saving ``state`` as ``step``. Returns once the state is captured; the backend decides whether the bytes
         land before (vanilla) or after (async backends) this returns. Raises errors of earlier background saves.
         ``meta``: what rank 0 records in the manifest (the checkpoint's card). With a local tier the save lands there
-        first; ``shared``: it is then drained to the shared tier in the background (else it stays local only)."""
+        first; ``shared``: it is then drained to the shared tier in the background (else it stays local only);
+        ``peer``: with a peer copy, it is also sent to the next node (not needed for the save a run ends with: the
+        shared tier has it)."""
         self._reap(block_until_below=self.backend.max_in_flight)
         t0 = time.perf_counter()
         tier = self.tier
@@ -107,6 +110,7 @@ class CheckpointManager:
         if step_dir is not None:
             self._prepare_everywhere(step, step_dir)
         local_dir = None  # the local tier's staging folder, once it exists (only that one is the tier's to discard)
+        to_peer = self.peer is not None and peer
         try:
             if tier is not None:  # fenced: the local publish refuses (its guard), as the shared commit does
                 local_dir = tier.save_dir(self.run_id, step)
@@ -115,6 +119,8 @@ class CheckpointManager:
             payload = (self.backend.save(local_dir, state, shared=tier.writes_shared, spares=tier.spares)
                        if tier is not None else self.backend.save(step_dir, state))
         except (OSError, CheckpointError) as e:
+            if to_peer:
+                self.peer.submit(step, None)  # the buddy, which saved this step, hears it will not come
             raise self._save_failed(step, step_dir, e, local=local_dir, in_tier=tier is not None) from None
         record = SaveRecord(step, blocking_s=time.perf_counter() - t0)
 
@@ -127,6 +133,8 @@ class CheckpointManager:
                 published = tier.commit(local_dir, step, files, backend=self.backend.name, run_id=self.run_id,
                                          meta=meta or {}, guard=self._guard)
             except (OSError, CheckpointError) as e:
+                if to_peer:
+                    self.peer.submit(step, None)
                 error = self._save_failed(step, step_dir, e, local=local_dir, in_tier=tier is not None)
                 if isinstance(error, Fenced):  # e.g. the new owner swept our staging folder mid-write
                     self._note_fenced(error)
@@ -140,7 +148,7 @@ class CheckpointManager:
                           + ("; draining to the shared tier" if step_dir is not None else ""))
             if step_dir is not None:
                 self._drainer.submit(step, step_dir, meta=meta, record=record, t0=t0)
-            if self.peer is not None:
+            if to_peer:
                 self.peer.submit(step, published)
             try:
                 tier.retain(self._drainer.protected() | {h.step for h in list(self.in_flight) if h.step != step}
@@ -571,7 +579,8 @@ class CheckpointManager:
         return (
             f"checkpointing: {len(self.history)} saves, {total_bytes / MiB:.1f} MiB, training blocked {blocked:.2f}s "
             f"({pct:.1f}% of {run_seconds:.1f}s), load {self.load_seconds:.2f}s"
-        ) + (f"\n{self.mirror.summary()}" if self.mirror is not None else "")
+        ) + (f"\n{self.mirror.summary()}" if self.mirror is not None else "") + (
+            f"\n{self.peer.summary()}" if self.peer is not None else "")
 
     def close(self) -> None:
         """Wait for every save in flight (re-raising the first error), then release the backend's resources -- those

@@ -99,28 +99,33 @@ def _cuts(header: dict) -> list[tuple[int, int]]:
     return out
 
 
-def _chunks(files: list[tuple[Path, dict]], algorithm: str, bad: list[str]) -> Iterator[bytes]:
-    """The files' bytes in exactly the offer's cuts, hashed as they are read. A file that no longer matches its
-    manifest record (or cannot be read) is named in ``bad`` and its cuts still go, as zeros: the receiver, which
-    counts on every cut, refuses it by its own hash, and neither end is left waiting."""
+def _chunks(files: list[tuple[Path, dict]], algorithm: str, bad: list[str], buf: memoryview) -> Iterator[memoryview]:
+    """The files' bytes in exactly the offer's cuts, each read into ``buf`` (CHUNK bytes, reused: the caller is done
+    with a piece before it asks for the next) and hashed as it is read. A file that no longer matches its manifest
+    record (or cannot be read) is named in ``bad`` and its cuts still go, as zeros: the receiver, which counts on every
+    cut, refuses it by its own hash, and neither end is left waiting."""
     for path, record in files:
         h, left = new_hasher(algorithm), record["size"]
         try:
-            with open(path, "rb") as f:
+            with open(path, "rb", buffering=0) as f:
                 while left > 0:
                     want = min(CHUNK, left)
-                    piece = f.read(want)
-                    piece += bytes(want - len(piece))  # a file shorter than its record: its hash fails, the cut holds
-                    h.update(piece)
-                    left -= len(piece)
-                    yield piece
+                    got = 0
+                    while got < want and (n := f.readinto(buf[got:want])):
+                        got += n
+                    buf[got:want] = bytes(want - got)  # a file shorter than its record: its hash fails, the cut holds
+                    h.update(buf[:want])
+                    left -= want
+                    yield buf[:want]
             if h.hexdigest() != record[algorithm]:
                 bad.append(f"{path} changed since its local commit (its bytes no longer match its manifest)")
         except OSError as e:
             bad.append(f"cannot read {path}: {e.strerror or e}")
             while left > 0:
-                yield bytes(min(CHUNK, left))
-                left -= min(CHUNK, left)
+                want = min(CHUNK, left)
+                buf[:want] = bytes(want)
+                left -= want
+                yield buf[:want]
 
 
 class _Landing:
@@ -193,6 +198,15 @@ class Link:
 
         self.rank = rank
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self._buffers: list = []  # one send and one receive buffer of CHUNK bytes, made at the first transfer
+
+    def _chunk_buffers(self):
+        """Reused for every chunk: a new 16 MiB tensor per chunk costs its page faults (zeroing) every time."""
+        import torch
+
+        if not self._buffers:
+            self._buffers = [torch.empty(CHUNK, dtype=torch.uint8), torch.empty(CHUNK, dtype=torch.uint8)]
+        return self._buffers
 
     def swap(self, dst: int | None, out: tuple[dict, list] | None, src: int | None,
              land: Callable[[dict], _Landing] | None) -> Path | None:
@@ -213,8 +227,9 @@ class Link:
             except (OSError, CheckpointError) as e:
                 failed.append(str(e))
         bad: list[str] = []
-        pieces = (self._tensor(p) for p in _chunks(out[1], json.loads(out[0]["manifest"])["checksum"], bad)) \
-            if sending else iter(())
+        send_buf, recv_buf = self._chunk_buffers() if sending or receiving else (None, None)
+        pieces = (send_buf[:len(p)] for p in _chunks(out[1], json.loads(out[0]["manifest"])["checksum"], bad,
+                                                      memoryview(send_buf.numpy()))) if sending else iter(())
         cuts = _cuts(header_in) if receiving else []
 
         def sink(k: int, buf) -> None:  # the stream is always read to its end: the sender never waits on us
@@ -225,7 +240,7 @@ class Link:
                     failed.append(str(e))
 
         try:
-            self._duplex(dst, pieces, src, [n for _, n in cuts], sink=sink)
+            self._duplex(dst, pieces, src, [n for _, n in cuts], sink=sink, into=recv_buf)
             if landing is not None and not failed:
                 return landing.commit()
         except BaseException:
@@ -245,9 +260,10 @@ class Link:
 
         return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
-    def _duplex(self, dst, outgoing, src, sizes: list[int], sink=None) -> list:
+    def _duplex(self, dst, outgoing, src, sizes: list[int], sink=None, into=None) -> list:
         """Post each outgoing tensor to ``dst`` beside the next incoming one from ``src`` (sizes known), and wait for
-        both before the next pair: two chunks in memory, and neither side blocks the other."""
+        both before the next pair: two chunks in memory, and neither side blocks the other. ``into``: one buffer every
+        incoming chunk lands in (``sink`` consumes it before the next)."""
         import torch
         import torch.distributed as dist
 
@@ -259,7 +275,7 @@ class Link:
                 works.append(dist.isend(t, dst, group=self.group))
             buf = None
             if src is not None and k < len(sizes):
-                buf = torch.empty(sizes[k], dtype=torch.uint8)
+                buf = into[:sizes[k]] if into is not None else torch.empty(sizes[k], dtype=torch.uint8)
                 works.append(dist.irecv(buf, src, group=self.group))
             if not works:
                 return received
@@ -293,19 +309,22 @@ class PeerCopy:
         self._queue: queue.Queue = queue.Queue()
         self._failed: str | None = None
         self._said_first = False
+        self.lags: list[float] = []  # per step sent: seconds from its local commit until the buddy's copy committed
+        self.sent_bytes = 0
         self._thread = threading.Thread(target=self._run, name="ckpt-peer", daemon=True)
         self._thread.start()
 
     # --- during training ---------------------------------------------------------------------------------------------
-    def submit(self, step: int, step_dir: Path) -> None:
-        """``step_dir``: this rank's committed local part of ``step``; it stays protected until it is sent."""
+    def submit(self, step: int, step_dir: Path | None) -> None:
+        """``step_dir``: this rank's committed local part of ``step``, protected from local retention while it is sent;
+        None: this rank's save of ``step`` failed, and its buddy, which saved that step, is told so instead of waiting
+        (every rank submits every step the policy saved, so the transfers stay paired)."""
         if self._failed is not None:
             return
-        with self._lock:
-            self._pending.add(step)
-        self._queue.put((step, step_dir))
+        self._queue.put((step, step_dir, time.monotonic()))
 
     def protected(self) -> set[int]:
+        """The step being sent now (a queued one that retention removes meanwhile is sent as an error offer)."""
         with self._lock:
             return set(self._pending)
 
@@ -315,35 +334,53 @@ class PeerCopy:
             try:
                 if item is None:
                     return
-                step, step_dir = item
+                step, step_dir, committed = item
                 if self._failed is None:
-                    self._swap(step, step_dir)
-            except Exception as e:  # noqa: BLE001 - the local tier still holds every step: training goes on
-                self._failed = str(e) or type(e).__name__
-                _log.warning(f"warning: peer copy stopped at step {item[1].name if item else '?'}: {self._failed}; "
-                             "the local and shared tiers go on without it", extra=EVERY_RANK)
-            finally:
-                if item is not None:
                     with self._lock:
-                        self._pending.discard(item[0])
+                        self._pending = {step}
+                    if self._swap(step, step_dir):
+                        self.lags.append(time.monotonic() - committed)
+            except (OSError, CheckpointError) as e:  # this step only: both ends read the stream to its end
+                _log.warning(f"warning: peer copy of step {item[0]}: {e}; the next step is sent as usual",
+                             extra=EVERY_RANK)
+            except Exception as e:  # noqa: BLE001 - the link itself failed (a buddy died): the tiers go on without it
+                self._failed = str(e).splitlines()[0] if str(e) else type(e).__name__
+                _log.warning(f"warning: peer copy stopped at step {item[0]}: {self._failed}; the local and shared "
+                             "tiers go on without it", extra=EVERY_RANK)
+            finally:
+                with self._lock:
+                    self._pending = set()
                 self._queue.task_done()
 
-    def _swap(self, step: int, step_dir: Path) -> None:
+    def _swap(self, step: int, step_dir: Path | None) -> bool:
+        """One step each way; True when this rank's part of it reached its buddy."""
         make_dirs(self.root)
-        published = self.link.swap(self.buddy, _offer_or_error(step_dir), self.source,
-                                   self._landing(self.root, self.source))
+        offer = _offer_or_error(step_dir) if step_dir is not None else (
+            {"error": f"rank {self.tier.rank.rank}'s save of step {step} failed"}, [])
+        published = self.link.swap(self.buddy, offer, self.source, self._landing(self.root, self.source))
+        self.sent_bytes += sum(size for _, size in offer[0].get("files", ()))
         layout.apply_retention(self.root, self.keep, guard=layout.no_guard, own_staging=_staging(self.run_id),
                                label=f"peer copy {self.root}", quiet=True)
-        if not self._said_first and self.tier.rank.is_main:
+        if not self._said_first and self.tier.rank.is_main and published is not None:
             _log.info(f"peer copy: every local step is also kept on the next node (rank 0's on rank {self.buddy}'s "
                       f"node; step {step} the first, in {published.parent})")
-        self._said_first = True
+            self._said_first = True
+        return "error" not in offer[0]
 
     def _landing(self, root: Path, owner: int) -> Callable[[dict], _Landing]:
         return lambda header: _Landing(root, header, self.run_id, owner=owner, world_size=self.tier.rank.world_size)
 
     def wait(self) -> None:
         self._queue.join()
+
+    def summary(self) -> str:
+        """How far the copies on the next node trailed the local commits (the steps a lost node can cost beyond the
+        local interval)."""
+        if not self.lags:
+            return "peer copy: no step sent" + (f" ({self._failed})" if self._failed else "")
+        lags = sorted(self.lags)
+        return (f"peer copy: {len(lags)} steps, {self.sent_bytes / MiB:.1f} MiB sent to rank {self.buddy}; each held "
+                f"on the next node {lags[len(lags) // 2]:.2f}s (median, max {lags[-1]:.2f}s) after its local commit")
 
     def close(self, timeout_s: float = 120.0) -> None:
         """Wait for the copies in flight (every rank sends its last step too), at most ``timeout_s`` (a buddy that
@@ -369,9 +406,20 @@ class PeerCopy:
             except ValueError:
                 continue
             for info in layout.list_checkpoints(folder):
-                if info.committed:
-                    out.setdefault(owner, {}).setdefault(info.step, str(info.path))
+                if info.committed and info.step not in out.get(owner, {}) and self._this_run(info.path, owner):
+                    out.setdefault(owner, {})[info.step] = str(info.path)
         return out
+
+    def _this_run(self, step_dir: Path, owner: int) -> bool:
+        """The part's manifest names this run (origin, lineage, job, world size) and ``owner``: a stale copy of another
+        run or job never wins the choice of step (its bytes are verified later, by the receiver and the load)."""
+        try:
+            tier = layout.read_manifest(step_dir).get("meta", {}).get("tier", {})
+        except (OSError, CheckpointError):
+            return False
+        mine = self.tier.identity
+        return tier.get("rank") == owner and all(tier.get(k) == mine[k] for k in ("origin", "lineage", "job",
+                                                                                    "world_size"))
 
     def restore(self, local: dict[int, layout.CheckpointInfo], floor: int | None) -> list[int]:
         """Collective. When a step newer than ``floor`` (the newest step every rank holds locally, or the shared tier's
@@ -411,14 +459,18 @@ class PeerCopy:
                 continue
             land = self._landing(self.tier.root, r) if rank.rank == r else None
             path = self.holdings().get(r, {}).get(best) if rank.rank == h else None
+            offer = (_offer_or_error(Path(path)) if path else ({"error": f"step {best} of rank {r} is gone"}, [])) \
+                if rank.rank == h else None
             try:
                 if r == h:
+                    if path is None:
+                        raise CheckpointError(offer[0]["error"])
                     self._land_locally(Path(path), land)
                 else:
-                    self.link.swap(r if rank.rank == h else None, _offer_or_error(Path(path)) if rank.rank == h
-                                   else None, h if rank.rank == r else None, land)
-            except (OSError, CheckpointError) as e:  # the load then finds no local copy and chooses again
-                _log.warning(f"warning: peer copy: step {best} of rank {r} not restored ({e})", extra=EVERY_RANK)
+                    self.link.swap(r if rank.rank == h else None, offer, h if rank.rank == r else None, land)
+            except Exception as e:  # noqa: BLE001 - the load then finds no local copy and chooses again
+                _log.warning(f"warning: peer copy: step {best} of rank {r} not restored "
+                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__})", extra=EVERY_RANK)
         local.clear()
         local.update(self.tier.committed())
         return fetched
@@ -429,7 +481,7 @@ class PeerCopy:
         landing, bad = land(header), []
         try:
             cuts = iter(_cuts(header))
-            for piece in _chunks(files, json.loads(header["manifest"])["checksum"], bad):
+            for piece in _chunks(files, json.loads(header["manifest"])["checksum"], bad, memoryview(bytearray(CHUNK))):
                 landing.feed(next(cuts)[0], piece)
             if bad:
                 raise CheckpointError(bad[0])

@@ -373,7 +373,8 @@ class Session:
             self.manager.poll()  # surface background save errors at a step boundary
             if decision.save:
                 rushed = decision.vote not in (NONE, INTERVAL)
-                self.manager.save(step, self.state, meta=describe(rushed), shared=decision.shared)
+                self.manager.save(step, self.state, meta=describe(rushed), shared=decision.shared,
+                                  peer=not (decision.stop or step == self.settings.when.final_step))
                 self._saved_at = step
         except run_lease.Fenced:
             pass  # a newer incarnation owns the run directory: the policy's next vote stops every rank, saving nothing
