@@ -32,6 +32,15 @@ and final save. Hence
 exact in expectation for Poisson kills at a given mean cost per kill R + L. Not modelled: that cost depends on MTBF
 (a kill inside a recovery cuts it short, so near MTBF ~ R + L the cost per kill falls). The projections are for a
 long job: S / (N t0) -> 0.
+
+Node loss (--node-loss; results/goodput-node-loss.{md,json}). Each rank is an emulated node
+(PYRECOVER_TEST_RANKS_PER_NODE=1). At each kill, once every process is gone, one node (drawn per kill from the seed)
+also loses its local storage: its rank's folder of the node-local tier and the peer copies it holds for the node
+before it (wipe_node). Two configurations on the same kills and the same lost nodes: the node-local tier with
+--peer-checkpoint and without it, at fixed intervals (local every --local-every steps, shared every --shared-every):
+no calibration and no Young/Daly interval, since the question is what a lost node costs at a given local interval,
+not which interval is best. Per configuration: goodput (t0 from a failure-free run of --t0-steps) and the steps
+redone per kill (node_loss_account); with the peer copy a restart should lose at most the local interval.
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from tests.faults.harness import Run  # finds the launcher and every rank by PID: kill_all() is a whole node lost
 from tests.helpers import env_for_tests
@@ -100,6 +109,7 @@ PROJECT_MTBF = {"5 min": 300.0, "1 h": 3600.0, "1 day": 86400.0}
 
 RESUMED = re.compile(r"resumed from \S+ \(step (\d+)")
 FRESH = "no checkpoint found"
+NOTES = re.compile(r"^.*(?:peer copy: step \d+ |resumed from ).*$", re.M)  # not the peer copy's start-up line
 RECOVERY = re.compile(r"^recovery: first step after resume ([\d.]+)s.*$", re.M)
 # the end-of-run total also counts the wait for an async save's copy at the next step, which a save's own line may not
 SUMMARY = re.compile(r"checkpointing: (\d+) saves, .*?training blocked ([\d.]+)s")
@@ -114,10 +124,12 @@ def log(msg: str) -> None:
 # --- running jobs ----------------------------------------------------------------------------------------------------
 
 
-def train_cmd(ckpt_dir: Path, steps: int, every: int, flags: list[str], dataset: str, s3: bool = True) -> list[str]:
+def train_cmd(ckpt_dir: Path, steps: int, every: int, flags: list[str], dataset: str, s3: bool = True,
+              shared_every: int | None = None) -> list[str]:
     """The job. A configuration with a local tier (``{local}`` in its flags: a folder in /dev/shm of this job's) saves
-    there every ``every`` steps and to the shared tier every SHARED_FACTOR x ``every``. The shared tier is ``ckpt_dir``,
-    or with --shared s3 (and ``s3``) a prefix on the S3 server; the loss CSV stays in ``ckpt_dir`` either way."""
+    there every ``every`` steps and to the shared tier every ``shared_every`` (default SHARED_FACTOR x ``every``). The
+    shared tier is ``ckpt_dir``, or with --shared s3 (and ``s3``) a prefix on the S3 server; the loss CSV stays in
+    ``ckpt_dir`` either way."""
     shared = f"{S3['uri']}/{ckpt_dir.name}" if S3["uri"] and s3 else None
     if shared:
         (ckpt_dir / "run").mkdir(parents=True, exist_ok=True)
@@ -125,7 +137,7 @@ def train_cmd(ckpt_dir: Path, steps: int, every: int, flags: list[str], dataset:
     tiered = "--local-checkpoint-dir" in flags
     if tiered:
         flags += ["--local-checkpoint-frequency", str(every)]
-        every *= SHARED_FACTOR
+        every = shared_every or every * SHARED_FACTOR
     ranks = LAUNCHER["ranks"]
     launcher = ([PY, "benchmarks/launch.py", "--nproc", str(ranks), "--"] if LAUNCHER["direct"] else
                 [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)])
@@ -169,6 +181,8 @@ class Incarnation:
     recovery_line: str | None  # train.py's own "recovery: ..." line (rank 0, from its process start)
     saves: list[dict] = field(default_factory=list)
     blocked_per_save: float | None = None  # from the end-of-run summary line (a run that finished)
+    notes: list[str] = field(default_factory=list)  # where its resume came from: the peer copy's lines, the resume line
+    wiped: dict | None = None  # --node-loss: the node whose local storage was wiped after this start's kill
 
     @property
     def recovery_s(self) -> float:
@@ -199,9 +213,12 @@ def _wait_or_kill(run: Run, deadline: float, csv_path: Path, launch: float, at_s
 
 
 def run_job(cmd: list[str], csv_path: Path, kill_at: Iterable[float], limit_s: float,
-            kill_steps: Iterable[int] = (), env: dict | None = None) -> Job:
+            kill_steps: Iterable[int] = (), env: dict | None = None,
+            after_kill: Callable[[int], dict] | None = None) -> Job:
     """Run ``cmd`` to the end; at each time of ``kill_at`` (seconds from the first start), or else each time an
-    incarnation completes a step of ``kill_steps``, SIGKILL all of it and restart it at once."""
+    incarnation completes a step of ``kill_steps``, SIGKILL all of it and restart it at once. ``after_kill(i)`` runs
+    once the i-th kill's processes are all gone, before the restart (--node-loss: wipe a node's local storage); what it
+    returns is kept as that incarnation's ``wiped``."""
     origin = time.time()
     kills, steps = iter(kill_at), iter(kill_steps)
     next_kill, next_step = next(kills, math.inf), next(steps, None)
@@ -228,6 +245,7 @@ def run_job(cmd: list[str], csv_path: Path, kill_at: Iterable[float], limit_s: f
             reached=max(s for s, _ in rows) if rows else None,
             first_step=min(w for _, w in rows) - origin if rows else None,
             recovery_line=rec.group(0) if rec else None,
+            notes=[line[:400] for line in NOTES.findall(out)],
             saves=[{"step": int(s), "mib": float(mib), "blocked_s": float(b), "durable_s": float(d)}
                    for s, mib, b, d in SAVED.findall(out)])
         total = SUMMARY.search(out)
@@ -239,6 +257,9 @@ def run_job(cmd: list[str], csv_path: Path, kill_at: Iterable[float], limit_s: f
         if killed and end - origin >= limit_s:
             return Job(origin, end - origin, "timed out", incarnations, out[-6000:])
         if killed:
+            if after_kill is not None:
+                inc.wiped = after_kill(len(incarnations) - 1)
+                log(f"  wiped {inc.wiped}")
             if next_step is not None and inc.reached is not None and inc.reached >= next_step:
                 next_step = next(steps, None)
             else:
@@ -622,6 +643,199 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
+# --- node loss (--node-loss) ----------------------------------------------------------------------------------------
+
+# The node-local tier with its peer copy, and without: the same fixed intervals, the same kills, the same nodes lost.
+NODE_LOSS_CONFIGS = {
+    "tiered-peer": "--checkpoint-backend concurrent --local-checkpoint-dir {local} --peer-checkpoint",
+    "tiered": "--checkpoint-backend concurrent --local-checkpoint-dir {local}",
+}
+NODE_LOSS_ENV = {"PYRECOVER_TEST_RANKS_PER_NODE": "1"}  # rank r is node r, each with a local tier of its own
+STEP_FOLDER = re.compile(r"step-(\d+)")
+PEER_SERVED = re.compile(r"peer copy: step \d+ for rank")
+PEER_LOST = re.compile(r"peer copy: step \d+ is lost for rank")
+
+
+def wipe_node(local: Path, node: int, nodes: int) -> dict:
+    """Node ``node`` of ``nodes`` lost with its local storage (one rank per node): in each run folder of the local tier
+    ``local``, its rank's folder and the peer copies it holds for the node before it (whose buddy it is). Returns
+    the node and the steps that went with it."""
+    from checkpoint.tier import rank_dir_name
+
+    gone: dict = {"node": node, "own": [], "peer": []}
+    for run in sorted(p for p in local.glob("*") if p.is_dir()):
+        for kind, folder in (("own", run / rank_dir_name(node)),
+                             ("peer", run / "peer" / rank_dir_name((node - 1) % nodes))):
+            steps = (STEP_FOLDER.fullmatch(x.name) for x in folder.glob("*"))
+            gone[kind] += sorted(int(m.group(1)) for m in steps if m)
+            if folder.exists():
+                shutil.rmtree(folder)
+    return gone
+
+
+def node_loss_account(job: Job, steps: int, t0: float) -> dict:
+    """Goodput, and per kill the steps redone: the newest step the job had done at the kill (its last loss CSV row; a
+    start killed before its first step: the step it resumed from) less the step the next start to say where it resumed
+    from resumed from. A start killed before it said so loses nothing itself: what it cost counts on the kill before."""
+    incs, kills = job.incarnations, []
+    for i, inc in enumerate(incs):
+        if not inc.killed:
+            continue
+        done = inc.reached if inc.reached is not None else inc.resumed_from
+        nxt = next((j for j in incs[i + 1:] if j.resumed_from is not None), None)
+        resumed = nxt.resumed_from if nxt else None
+        kills.append({"at_s": inc.end, "wiped": inc.wiped, "done": done, "resumed_from": resumed,
+                      "lost_steps": max(0, done - resumed) if done is not None and resumed is not None else 0,
+                      "restart": nxt.notes if nxt else []})
+    lost = [k["lost_steps"] for k in kills]
+    restarts = [inc.recovery_s for inc in incs[1:] if inc.first_step is not None]
+    return {"goodput": steps * t0 / job.wall, "wall_s": job.wall, "kills": len(kills), "lost_steps": lost,
+            "lost_steps_max": max(lost, default=None), "lost_steps_mean": statistics.mean(lost) if lost else None,
+            "recovery_per_restart_s": statistics.mean(restarts) if restarts else None,
+            # restarts whose missing parts a peer copy served, or that found the newest local step lost
+            "peer_copy_served": sum(any(PEER_SERVED.search(n) for n in i.notes) for i in incs),
+            "peer_copy_lost": sum(any(PEER_LOST.search(n) for n in i.notes) for i in incs), "kill_details": kills}
+
+
+def run_node_loss(args: argparse.Namespace, workdir: Path, res: dict) -> None:
+    """The kill runs of --node-loss: per configuration one job of ``args.steps`` steps, killed on the schedule, and at
+    each kill one node's local storage wiped before the restart. No calibration: the intervals are fixed."""
+    nodes, local_every, shared_every = LAUNCHER["ranks"], args.local_every, args.shared_every
+    base_tag = "base"
+    log(f"{base_tag}: failure-free, no checkpoint until the end, {args.t0_steps} steps")
+    base, job = calibrate(train_cmd(workdir / base_tag, args.t0_steps, 0, [], args.dataset, s3=False),
+                          workdir / base_tag / "run" / "loss.csv", args.t0_steps, 0, args.calib_every + 1, None,
+                          limit_s=1800 + 10 * args.t0_steps)
+    if base is None:
+        raise SystemExit(f"the {base_tag} run {job.outcome}:\n{job.tail}")
+    shutil.rmtree(workdir / base_tag, ignore_errors=True)
+    t0 = base.step_s
+    res["t0_s"], res["base"] = t0, asdict(base)
+    log(f"  t0 = {t0:.3f} s/step, start-up {base.startup_s:.1f} s, finish {base.finish_s:.1f} s")
+    explicit = [float(t) for t in args.kill_times.split(",") if t.strip()] if args.kill_times else None
+    kill_steps = [int(s) for s in args.kill_steps.split(",") if s.strip()] if args.kill_steps else []
+
+    def kill_times() -> Iterable[float]:
+        return iter(explicit) if explicit is not None else kill_schedule(args.seed, args.mtbf)
+
+    def lost_node(i: int) -> int:  # the i-th kill's node: the same for every configuration
+        return random.Random(f"node-loss {args.seed} {i}").randrange(nodes)
+
+    ff_wall = base.startup_s + base.finish_s + args.steps * t0
+    for name, flags in NODE_LOSS_CONFIGS.items():
+        c = res["configs"][name] = {"flags": shlex.split(flags), "local_every": local_every,
+                                    "shared_every": shared_every, "status": "ok"}
+        log(f"{name}: kill run, {args.steps} steps, local tier every {local_every} steps, shared every {shared_every}, "
+            f"a node's local storage wiped at each kill (failure-free ~{ff_wall:.0f} s)")
+        folder = workdir / name
+        local = local_dir(folder)
+        try:
+            job = run_job(train_cmd(folder, args.steps, local_every, c["flags"], args.dataset,
+                                    shared_every=shared_every), folder / "run" / "loss.csv",
+                          () if kill_steps else kill_times(), limit_s=20 * ff_wall + 600, kill_steps=kill_steps,
+                          env=NODE_LOSS_ENV, after_kill=lambda i: wipe_node(local, lost_node(i), nodes))
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+            if not args.keep:
+                shutil.rmtree(folder, ignore_errors=True)
+        c["incarnations"] = [asdict(i) | {"recovery_s": i.recovery_s} for i in job.incarnations]
+        if job.incarnations[0].resumed_from not in (0, None):
+            raise SystemExit(f"{name}: the kill run's first start resumed from step "
+                             f"{job.incarnations[0].resumed_from}: it found an earlier run's checkpoint")
+        if job.outcome != "finished":
+            usage = re.search(r"^.*error: (unrecognized arguments|argument).*$", job.tail, re.M)
+            c["status"] = f"not supported by this train.py: {usage.group(0)}" if usage else f"kill run {job.outcome}"
+            c["tail"] = job.tail
+            log(f"  {c['status']}\n{'' if usage else job.tail}")
+            continue
+        r = c["run"] = node_loss_account(job, args.steps, t0)
+        if name == "tiered-peer":
+            c["lost_within_local_interval"] = all(x <= local_every for x in r["lost_steps"])
+        log(f"{name}: goodput {r['goodput']:.3f}, wall {r['wall_s']:.1f} s, {r['kills']} kills, lost steps per kill "
+            f"{r['lost_steps']} (local interval {local_every}, shared {shared_every})")
+    longest = max((c["run"]["wall_s"] for c in res["configs"].values() if c.get("run")), default=0.0)
+    res["kill_times"] = [] if kill_steps else list(itertools.takewhile(lambda t: t < longest, kill_times()))
+
+
+def _restart_note(notes: list[str]) -> str:
+    """What a restart said about its resume, without log prefixes and paths."""
+    out = []
+    for n in notes:
+        if "peer copy: " in n:
+            out.append("peer copy: " + n.split("peer copy: ", 1)[1])
+        elif (m := re.search(r"resumed from \S+ \((.*)$", n)) is not None:
+            out.append("resumed (" + m.group(1))
+    return "; ".join(out).replace("|", "/") or "–"
+
+
+def render_node_loss(res: dict) -> str:
+    m, a = res["machine"], res["args"]
+    t0, L, S = res["t0_s"], a["local_every"], a["shared_every"]
+    ranks = a.get("ranks", RANKS)
+    kills = ("as a run completes step " + str(a["kill_steps"]) + " (--kill-steps)" if a.get("kill_steps") else
+             "at " + ("the times given by --kill-times" if a["kill_times"] else
+                      f"exponential inter-arrival times of mean MTBF {a['mtbf']:g} s, seed {a['seed']}")
+             + " in wall seconds from each configuration's start (the same for both): "
+             + (", ".join(f"{t:.1f}" for t in res["kill_times"][:12]) + (" …" if len(res["kill_times"]) > 12 else "")
+                + " s" if res["kill_times"] else "none within the runs"))
+    lines = [
+        "# Goodput under node loss", "",
+        f"`{res['command']}` — {res['date']}, commit {m['commit']}, {m['cores']} cores ({m['cpu']}), torch "
+        f"{m['torch']}, Python {m['python']}; load average {m['load_start']:.1f} at the start, {m['load_end']:.1f} at "
+        f"the end; {res['duration_s'] / 60:.1f} min.", "",
+        f"`train.py {' '.join(TRAIN_ARGS)}` on {ranks} gloo ranks ("
+        + ("`benchmarks/launch.py`" if a.get("launcher") == "direct" else "`torchrun --standalone`")
+        + f"), each rank its own emulated node (PYRECOVER_TEST_RANKS_PER_NODE=1), {a['steps']} steps, "
+        f"`--resume-from-checkpoint latest`; the node-local tier (`--checkpoint-backend concurrent "
+        f"--local-checkpoint-dir` in /dev/shm) every {L} steps, the shared tier (`--checkpoint-dir`) every {S}. The "
+        "intervals are fixed, not Young/Daly's: the question is what a lost node costs at a given local interval. "
+        f"Kills: SIGKILL of the launcher and every rank (a lost node takes the job down) {kills}; then, before the "
+        "immediate restart, one node's local storage is wiped — its rank's folder and the peer copies it holds for "
+        "the node before it; the node is drawn per kill from the seed, the same for both configurations.", "",
+        f"**Goodput = t0 × steps / wall**, t0 = {t0:.3f} s (failure-free step time, no checkpoint until the end, "
+        f"{a['t0_steps']} steps). Lost steps per kill = the newest step done before the kill (loss CSV) − the step "
+        "the restart resumed from.", "",
+        "| configuration | goodput | wall s | kills | lost steps per kill | max | mean | recovery s per restart | "
+        "restarts served by a peer copy |", "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for name, c in res["configs"].items():
+        r = c.get("run")
+        if not r:
+            lines.append(row(name, *["–"] * 8) + f" {c['status']}")
+            continue
+        lines.append(row(f"{name} (`{' '.join(x for x in c['flags'] if x.startswith('--peer'))or 'no peer copy'}`)",
+                         f"**{f(r['goodput'], 3)}**", f(r["wall_s"], 1), r["kills"],
+                         ", ".join(map(str, r["lost_steps"])) or "–", "–" if r["lost_steps_max"] is None else
+                         r["lost_steps_max"], f(r["lost_steps_mean"], 1), f(r["recovery_per_restart_s"], 1),
+                         r["peer_copy_served"]))
+    peer = res["configs"].get("tiered-peer", {})
+    if peer.get("run"):
+        r = peer["run"]
+        over = [i + 1 for i, x in enumerate(r["lost_steps"]) if x > L]
+        lines += ["", f"With the peer copy, lost steps per failure ≤ the local interval ({L}): "
+                  + ("**held** for every kill" if not over else f"**did not hold** for kill(s) {over}")
+                  + f" ({r['kills']} kills, max {r['lost_steps_max']})"
+                  + (f"; at {r['peer_copy_lost']} restart(s) no surviving node held the newest local step of the lost "
+                     "node's rank (train.py: `is lost`), so the restart took an older one"
+                     if r["peer_copy_lost"] else "")
+                  + ("" if not over else ". A step is on the buddy only once its local save has committed and its "
+                     "transfer has finished, both in the background: a kill sooner than that after the newest local "
+                     "save loses up to the local interval plus the steps those took") + "."]
+    lines += ["", "## Kills", "",
+              "Times in s from the configuration's start. Wiped: the node, and the steps that went with it (its own "
+              "folder / the peer copies it held).", "",
+              "| configuration | # | at s | node wiped: own / peer steps | last step done | resumed from | "
+              "lost steps | the restart said |", "|---|---:|---:|---|---:|---:|---:|---|"]
+    for name, c in res["configs"].items():
+        for i, k in enumerate((c.get("run") or {}).get("kill_details", [])):
+            w = k["wiped"] or {}
+            wiped = (f"{w['node']}: {','.join(map(str, w['own'])) or 'none'} / "
+                     f"{','.join(map(str, w['peer'])) or 'none'}" if w else "–")
+            lines.append(row(name, i + 1, f(k["at_s"], 1), wiped, "–" if k["done"] is None else k["done"],
+                             "–" if k["resumed_from"] is None else k["resumed_from"], k["lost_steps"],
+                             _restart_note(k["restart"])))
+    return "\n".join(lines) + "\n"
+
+
 # --- main ------------------------------------------------------------------------------------------------------------
 
 
@@ -652,7 +866,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"cost against the quiet stretches of the same run (default {SHARED_FACTOR} x --calib-every, "
                         f"so each save stretch holds one drain to the shared tier; --quick 2 x; 0: against the t0 run "
                         f"instead)")
-    p.add_argument("--configs", type=parse_configs, default=",".join(DEFAULT_CONFIGS),
+    p.add_argument("--configs", type=parse_configs, default=None,
                    help=f"comma-separated from {', '.join(CONFIGS)} (default: all but concurrent-warm); or "
                         "name=FLAGS;name=FLAGS for configurations of your own")
     p.add_argument("--kill-times", default=None,
@@ -662,7 +876,8 @@ def main(argv: list[str] | None = None) -> int:
                         "machine's speed; for a smoke test)")
     p.add_argument("--dataset", default=str(ROOT / "data" / "train_data.parquet"))
     p.add_argument("--out", default=str(ROOT / "results"),
-                   help="folder for goodput.md, goodput.json, goodput.png (default results/)")
+                   help="folder for goodput.md, goodput.json, goodput.png (--node-loss: goodput-node-loss.md, "
+                        "goodput-node-loss.json) (default results/)")
     p.add_argument("--keep", action="store_true",
                    help=f"write the runs to {KEEP_DIR.relative_to(ROOT)}/ and keep them for inspection (default: a "
                         "temporary folder, removed at the end)")
@@ -688,8 +903,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--t0-steps", type=int, default=None,
                    help="with --repeats > 1: steps of the failure-free run before, between and after the rounds, "
                         "whose mean around a round is its t0 (default: --steps, a failure-free copy of the kill run)")
+    p.add_argument("--node-loss", action="store_true",
+                   help="node-loss schedule: at each kill one emulated node (each rank is one) also loses its local "
+                        "storage; the node-local tier with --peer-checkpoint and without it, at fixed intervals "
+                        "(--local-every, --shared-every); results/goodput-node-loss.{md,json} (default steps 200, "
+                        "MTBF 20 s; --quick 60, 10 s)")
+    p.add_argument("--local-every", type=int, default=None,
+                   help="--node-loss: the local tier's interval in steps (default 2)")
+    p.add_argument("--shared-every", type=int, default=None,
+                   help="--node-loss: the shared tier's interval in steps, a multiple of --local-every (default 20)")
     p.add_argument("--quick", action="store_true", help="a short smoke run: few steps, MTBF 10 s")
     args = p.parse_args(argv)
+    if args.node_loss:
+        if args.configs is not None or args.repeats != 1 or args.shared != "disk":
+            p.error("--node-loss runs its own two configurations once on a shared tier on disk: leave out --configs, "
+                    "--repeats and --shared")
+        if args.ranks < 2:
+            p.error("--node-loss needs --ranks of at least 2: each rank is a node, and its peer copy is on the next")
+        args.local_every, args.shared_every = args.local_every or 2, args.shared_every or 20
+        if args.local_every < 1 or args.shared_every % args.local_every:
+            p.error("--shared-every must be a multiple of --local-every (at least 1)")
+        args.mtbf = args.mtbf or (10.0 if args.quick else 20.0)
+        args.steps = args.steps or (60 if args.quick else 200)
+    elif args.local_every is not None or args.shared_every is not None:
+        p.error("--local-every and --shared-every are for --node-loss")
+    args.configs = args.configs or parse_configs(",".join(DEFAULT_CONFIGS))
     if args.ranks < 1:
         p.error("--ranks must be at least 1")
     if args.repeats < 1:
@@ -734,7 +972,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.shared == "s3":
             server_proc, sock = start_s3(workdir)
-        run_all(args, workdir, res)
+        (run_node_loss if args.node_loss else run_all)(args, workdir, res)
     finally:
         if server_proc is not None:
             from tests.s3.conftest import _stop
@@ -749,6 +987,14 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     res["machine"]["load_end"] = os.getloadavg()[0]
     res["duration_s"] = time.time() - t_begin
+    ok = all(c["status"] == "ok" or c["status"].startswith("not supported") for c in res["configs"].values())
+    if args.node_loss:
+        as_list = res | {"configs": [{"name": n, **c} for n, c in res["configs"].items()]}
+        (out / "goodput-node-loss.json").write_text(json.dumps(as_list, indent=1) + "\n")
+        (out / "goodput-node-loss.md").write_text(render_node_loss(res))
+        log("\n" + render_node_loss(res).split("\n## Kills")[0])
+        log(f"\nwrote {out / 'goodput-node-loss.md'}, {out / 'goodput-node-loss.json'}")
+        return 0 if ok else 1
     # configurations as a list of named records, the shape other tools (benchmarks/targets.py) read
     as_list = res | {"configs": [{"name": n, **c} for n, c in res["configs"].items()]}
     (out / "goodput.json").write_text(json.dumps(as_list, indent=1) + "\n")
@@ -756,8 +1002,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(res, out / "goodput.png")
     log("\n" + render(res).split("\n## Checkpoint interval")[0])
     log(f"\nwrote {out / 'goodput.md'}, {out / 'goodput.json'}, {out / 'goodput.png'}")
-    # a variant this train.py lacks is reported, not a failure
-    return 0 if all(c["status"] == "ok" or c["status"].startswith("not supported") for c in res["configs"].values()) else 1
+    return 0 if ok else 1  # a variant this train.py lacks is reported, not a failure
 
 
 def start_s3(workdir: Path):

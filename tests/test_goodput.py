@@ -67,3 +67,44 @@ def test_calibration_measures_the_save_cost_against_quiet_stretches_of_the_same_
     costs = stretch_costs(rows, saves, stretch, steps, reach=3)
     assert len(costs) == 3  # pairs 1, 2 and 3; pair 0 pays the one-off costs of a first save, 4 reaches the final step
     assert all(abs(c - 0.08) < 1e-9 for c in costs), costs  # the quiet halves on both sides cancel the drift
+
+
+def test_node_loss_wipes_a_nodes_own_folder_and_the_peer_copies_it_holds(tmp_path):
+    """benchmarks.goodput.wipe_node (--node-loss, one rank per node): node 1 of 3 holds rank-00001/ and the peer copies
+    of node 0's steps (peer/rank-00000/); the copies of node 1's own steps are on node 2 (peer/rank-00001/) and stay.
+    Node 0's predecessor is the last node."""
+    from benchmarks.goodput import wipe_node
+
+    run = tmp_path / "run-0123abcd"
+    for rel in ("rank-00000/step-00000004", "rank-00001/step-00000002", "rank-00001/step-00000004",
+                "rank-00001/.staging-x", "rank-00002/step-00000004", "peer/rank-00000/step-00000004",
+                "peer/rank-00001/step-00000004", "peer/rank-00002/step-00000002"):
+        (run / rel).mkdir(parents=True)
+    assert wipe_node(tmp_path, 1, 3) == {"node": 1, "own": [2, 4], "peer": [4]}
+    assert sorted(str(p.relative_to(run)) for p in run.glob("**/rank-*")) == [
+        "peer/rank-00001", "peer/rank-00002", "rank-00000", "rank-00002"]
+    assert wipe_node(tmp_path, 0, 3) == {"node": 0, "own": [4], "peer": [2]}
+    assert wipe_node(tmp_path, 1, 3) == {"node": 1, "own": [], "peer": []}  # nothing left: nothing to lose
+
+
+def test_node_loss_counts_each_kills_redone_steps_from_where_the_next_restart_resumed():
+    """benchmarks.goodput.node_loss_account: a kill loses the newest step done (a start killed before its first step:
+    the step it resumed from) less the step the next start that said where it resumed from resumed from; a start
+    killed before saying so loses nothing itself."""
+    from benchmarks.goodput import Incarnation, Job, node_loss_account
+
+    def start(resumed_from=None, reached=None, killed=True, notes=()):
+        return Incarnation(start=0.0, end=1.0, killed=killed, rc=-9 if killed else 0, resumed_from=resumed_from,
+                           reached=reached, first_step=None if reached is None else 0.5, recovery_line=None,
+                           notes=list(notes))
+
+    job = Job(0.0, 100.0, "finished", [
+        start(0, 25),
+        start(24, 31, notes=["peer copy: step 24 for rank(s) 1 from a copy on another node"]),
+        start(),  # killed before it said where it resumed from
+        start(20, notes=["peer copy: step 30 is lost for rank(s) 0 (its node and its buddy's); resuming from an "
+                         "older step"]),  # killed before its first step: it had done step 20
+        start(20, 40, killed=False)])
+    r = node_loss_account(job, 40, 0.5)
+    assert r["lost_steps"] == [1, 11, 0, 0] and r["kills"] == 4 and r["lost_steps_max"] == 11
+    assert r["goodput"] == 0.2 and r["peer_copy_served"] == 1 and r["peer_copy_lost"] == 1, r
