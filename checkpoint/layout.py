@@ -356,7 +356,7 @@ _OPT_STR = (str, type(None))
 META_SCHEMA = {
     "jit": bool,
     "tier": {"origin": str, "lineage": str, "job": str, "rank": _is_count, "leader": _is_count,
-             "world_size": _is_count},
+             "world_size": _is_count, "generation": _is_count},
     "card": {
         "model": {"preset": str, "params": _is_count, "config": dict},
         "data": {"dataset": str, "fingerprint": _OPT_STR, "tokenizer": _OPT_STR, "sequence_length": _is_count,

@@ -24,7 +24,7 @@ from .lease import Fenced, Lease
 from .mirror import Mirror
 from .peer import PeerCopy
 from .state import CheckpointState
-from .tier import Drainer, LocalTier, everywhere, part_bytes
+from .tier import FORKS, Drainer, LocalTier, everywhere, part_bytes, read_forks, record_resume
 
 _log = logging.getLogger(__name__)
 
@@ -435,14 +435,17 @@ class CheckpointManager:
         made again without it. When the shared tier holds the chosen step, a local copy must also match its manifest
         (LocalTier.usable), else that rank loads the shared copy. A step restored only from local tiers is then
         drained to the shared tier, so losing a node right after loses nothing."""
-        local = self.tier.committed()
+        # the run's resumes, from its folder: a local part of a line the run has left is no candidate
+        forks = self.rank.from_main(read_forks(self.root / FORKS, self.tier.identity["lineage"])
+                                    if self.rank.is_main and self.lease is not None else [])
+        local = self.tier.committed(forks)
         newest_shared = self.rank.from_main(max((i.step for r in self._roots() for i in layout.list_checkpoints(r)
                                                  if i.committed), default=None) if self.rank.is_main else None)
         shared: list = []  # the shared tier's `latest`, resolved (and verified on rank 0) at most once
         peers: list[int] = []  # ranks whose part came from a copy on another node (peer.py)
         if self.peer is not None:
             floor = max((s for s in (everywhere(local, self.rank.gather), newest_shared) if s is not None), default=None)
-            peers = self.peer.restore(local, floor)
+            peers = self.peer.restore(local, floor, forks)
         while True:
             best_local = everywhere(local, self.rank.gather)
             info = None
@@ -566,6 +569,12 @@ class CheckpointManager:
                                       f"{e.strerror or e}") from None
         if self.tier is not None:
             self.tier.retire_newer(step or 0)
+            if self.rank.is_main and self.lease is not None:  # the local parts on nodes this job does not reach
+                try:
+                    record_resume(self.root, self.tier.identity["lineage"], self.lease.generation, step or 0)
+                except OSError as e:
+                    raise CheckpointError(f"cannot record the resume in {self.root / FORKS}: {e.strerror or e}") \
+                        from None
         if self.peer is not None:
             self.peer.retire_newer(step or 0)
         if self.mirror is not None:

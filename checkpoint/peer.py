@@ -39,7 +39,7 @@ from .backends import RankInfo
 from .errors import CheckpointError
 from .fsio import MiB, fsync_dir, make_dirs, new_hasher
 from .logs import EVERY_RANK
-from .tier import LocalTier, rank_dir_name
+from .tier import LocalTier, abandoned, rank_dir_name
 
 _log = logging.getLogger(__name__)
 
@@ -309,6 +309,7 @@ class PeerCopy:
         self._queue: queue.Queue = queue.Queue()
         self._failed: str | None = None
         self._said_first = False
+        self._forks: list = []  # the run's resumes while a restore runs (tier.abandoned)
         self.lags: list[float] = []  # per step sent: seconds from its local commit until the buddy's copy committed
         self.sent_bytes = 0
         self._thread = threading.Thread(target=self._run, name="ckpt-peer", daemon=True)
@@ -418,14 +419,18 @@ class PeerCopy:
         except (OSError, CheckpointError):
             return False
         mine = self.tier.identity
+        if abandoned(step_dir, self._forks):  # a line the run has left
+            return False
         return tier.get("rank") == owner and all(tier.get(k) == mine[k] for k in ("origin", "lineage", "job",
                                                                                     "world_size"))
 
-    def restore(self, local: dict[int, layout.CheckpointInfo], floor: int | None) -> list[int]:
+    def restore(self, local: dict[int, layout.CheckpointInfo], floor: int | None, forks: list | None = None
+                ) -> list[int]:
         """Collective. When a step newer than ``floor`` (the newest step every rank holds locally, or the shared tier's
         newest, whichever is newer) is held by some node for every rank, each rank lacking it gets its part from a
         holder and commits it in its own tier folder; ``local`` is listed again. Returns the ranks that did."""
         rank = self.tier.rank
+        self._forks = forks or []
         everyone = rank.gather([sorted(local), {o: sorted(s) for o, s in self.holdings().items()}])
         avail: list[set[int]] = []
         for r in range(rank.world_size):
@@ -472,7 +477,7 @@ class PeerCopy:
                 _log.warning(f"warning: peer copy: step {best} of rank {r} not restored "
                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})", extra=EVERY_RANK)
         local.clear()
-        local.update(self.tier.committed())
+        local.update(self.tier.committed(forks))
         return fetched
 
     @staticmethod

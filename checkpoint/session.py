@@ -302,13 +302,14 @@ class Session:
             mirror = Mirror(storage.as_path(s.mirror_dir) / s.experiment, run_id=run_id[0], every=s.mirror_every,
                             timeout_s=s.mirror_timeout_s, retention=retention if s.mirror_keep is None else
                             replace(retention, keep=s.mirror_keep))
-        tier, peer = self._local_tier(lineage=run_id[2], run_id=run_id[0]) if s.local_dir else (None, None)
+        tier, peer = (self._local_tier(lineage=run_id[2], run_id=run_id[0], generation=run_id[1]) if s.local_dir
+                      else (None, None))
         self.manager = CheckpointManager(self.root, self.backend, self.rank, run_id=run_id[0], retention=retention,
                                          lease=self.lease, mirror=mirror, tier=tier, peer=peer)
         self.state = state
         return self.manager.open(spec, state)
 
-    def _local_tier(self, lineage: str, run_id: str) -> tuple[LocalTier, PeerCopy | None]:
+    def _local_tier(self, lineage: str, run_id: str, generation: int) -> tuple[LocalTier, PeerCopy | None]:
         """This rank's folder in its node's local tier, and with ``peer`` its side of the peer copy. The node's first
         rank (by the host names every rank reports) is its leader: it writes the shared pieces there, once per node."""
         s = self.settings
@@ -319,7 +320,7 @@ class Session:
         if why and self.rank.is_main:
             _say(f"warning: --peer-checkpoint: {why}; the local tier goes on without a peer copy")
         tier = LocalTier(s.local_dir, s.experiment, self.rank, leader=leader, identity=identity, keep=s.local_keep,
-                         copies=2 if order else 1)
+                         copies=2 if order else 1, generation=generation)
         if not order:
             return tier, None
         link = Link(self.rank, timeout_s=s.peer_timeout_s)  # collective: every rank, in the same order

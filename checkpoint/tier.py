@@ -29,6 +29,7 @@ collective ``.metadata`` and is refused with the local tier (backends.combinatio
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import queue
@@ -75,7 +76,7 @@ class LocalTier:
     """This rank's folder in its node's local tier, and its node leader's (read-only)."""
 
     def __init__(self, local_dir, experiment: str, rank: RankInfo, *, leader: int, identity: dict, keep: int = 2,
-                 copies: int = 1):
+                 copies: int = 1, generation: int = 0):
         base = tier_root(local_dir, experiment, str(identity["origin"]))
         self._flag, self._folder_checked = f"--local-checkpoint-dir {local_dir}", False
         self.root = base / rank_dir_name(rank.rank)
@@ -83,6 +84,7 @@ class LocalTier:
         self.leader_root = base / rank_dir_name(leader)
         self.rank, self.leader, self.keep = rank, leader, max(keep, 1)
         self.copies = copies  # 2 with a peer copy: this node also keeps another node's part (peer.py)
+        self.generation = generation  # the lease generation writing here: which line a part belongs to (abandoned)
         self.identity = {**identity, "rank": rank.rank, "leader": leader, "world_size": rank.world_size}
         self._writing = layout.writing(self.root)
         self._checked_space = False
@@ -140,7 +142,7 @@ class LocalTier:
                guard: Callable[[str], None]) -> Path:
         """Commit this rank's part of ``step`` (written in ``step_dir``) and publish it as ``rank-N/step-M``."""
         layout.commit(step_dir, step, self.rank.world_size, backend, [{"files": files}],
-                      meta={**meta, "tier": self.identity})
+                      meta={**meta, "tier": {**self.identity, "generation": self.generation}})
         return self._writing.publish(step_dir, self.root, step, guard=guard, tag=run_id)
 
     def discard(self, step_dir: Path) -> None:
@@ -165,10 +167,12 @@ class LocalTier:
                                label=f"local tier {self.root}", quiet=True, salvage=self.spares.give)
 
     # --- restart -------------------------------------------------------------------------------------------------
-    def committed(self) -> dict[int, layout.CheckpointInfo]:
+    def committed(self, forks: list | None = None) -> dict[int, layout.CheckpointInfo]:
         """This rank's committed local steps, not verified yet: ``usable`` verifies the one a restart picks, so a
-        restart reads the bytes of that step only."""
-        return {info.step: info for info in layout.list_checkpoints(self.root) if info.committed}
+        restart reads the bytes of that step only. ``forks``: the run's resumes (``abandoned``); a step of a line the
+        run has left is not one of them."""
+        return {info.step: info for info in layout.list_checkpoints(self.root)
+                if info.committed and not (forks and abandoned(info.path, forks))}
 
     def usable(self, info: layout.CheckpointInfo, shared: dict | None = None) -> bool:
         """Verify ``info`` (this rank's part and its leader's) and that it names this run; its bytes stay in
@@ -336,6 +340,41 @@ def _check_against(manifest: dict, shared: dict, whose: str) -> None:
                 or theirs.get(algorithm) != record[algorithm]):
             raise CheckpointError(f"{name}{whose} differs in size or {algorithm} from its record in the shared tier's "
                                   f"step {step}; the rank loads the shared tier's copy instead")
+
+
+FORKS = "resumes.json"  # in the shared run folder: [generation, step] of every incarnation that resumed, per lineage
+
+
+def record_resume(run_folder: Path, lineage: str, generation: int, step: int) -> None:
+    """Rank 0, the lease holder, once an incarnation continues the run from ``step``: remembered so that a node-local
+    part written by an older generation beyond ``step`` is known to belong to a line the run left -- also where the
+    run cannot reach to remove it (a node dropped from the job, its /dev/shm intact, which a later requeue gets back)."""
+    path = Path(run_folder) / FORKS
+    forks = read_forks(path, lineage)
+    storage.write_bytes(path, json.dumps({"lineage": lineage, "forks": forks + [[generation, step]]}).encode())
+
+
+def read_forks(path: Path, lineage: str) -> list:
+    """The run's recorded resumes (``record_resume``) for this lineage; [] when none, another lineage's, or
+    unreadable (nothing is then taken for abandoned: the identity checks still hold)."""
+    try:
+        data = json.loads(Path(path).read_bytes())
+        forks = data["forks"] if data.get("lineage") == lineage else []
+        return [[int(g), int(s)] for g, s in forks]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def abandoned(step_dir: Path, forks: list) -> bool:
+    """Whether the local part ``step_dir`` was written on a line the run has left: by a generation older than one that
+    resumed from an earlier step."""
+    try:
+        manifest = layout.read_manifest(step_dir)
+    except CheckpointError:
+        return False  # unreadable: the load's verify says why
+    written_by = manifest.get("meta", {}).get("tier", {}).get("generation", 0)
+    step = manifest["step"]
+    return any(g > written_by and s < step for g, s in forks)
 
 
 def everywhere(local: dict[int, layout.CheckpointInfo], gather: Callable[[object], list]) -> int | None:

@@ -509,3 +509,43 @@ def test_two_ranks_of_one_node_load_a_step_both_tiers_hold_locally_unless_a_copy
     same = check_weights(ckpt / "run" / final, reference / final, "--optimizer", "--tolerance", "0")
     assert same.returncode == 0, same.stdout + same.stderr
     assert loss_rows(csv) == loss_rows(reference / "loss.csv")
+
+
+def test_a_local_part_of_a_line_the_run_left_is_never_a_candidate(tmp_path):
+    """A node dropped from the job keeps its /dev/shm while the run resumes from an older step (a new line). Its
+    parts beyond that step, written by the older generation, name this run in every field, yet are never chosen:
+    the run folder records each resume (tier.record_resume), and a part written by an older generation beyond a later
+    resume belongs to the line the run left (tier.abandoned). The new line's part of the same step is chosen."""
+    from checkpoint import layout, storage
+    from checkpoint.backends.base import RankInfo
+    from checkpoint.tier import FORKS, LocalTier, read_forks, record_resume
+
+    run = tmp_path / "ckpt" / "run"
+    run.mkdir(parents=True)
+    identity = {"origin": str(run), "lineage": "L1", "job": ""}
+
+    def tier(generation: int) -> LocalTier:
+        return LocalTier(tmp_path / "local", "run", RankInfo(0, 1, 0), leader=0, identity=identity,
+                         generation=generation)
+
+    def save(t: LocalTier, step: int, data: bytes) -> None:
+        step_dir = t.save_dir(f"g{t.generation}", step)
+        (step_dir / "rank-00000.pt").write_bytes(data)
+        size, digest = storage.checksum(step_dir / "rank-00000.pt")
+        t.commit(step_dir, step, {"rank-00000.pt": {"size": size, "xxh3_64": digest}}, backend="vanilla",
+                 run_id=f"g{t.generation}", meta={}, guard=layout.no_guard)
+
+    old = tier(1)
+    for step in (20, 22, 24):
+        save(old, step, b"line 1")
+    record_resume(run, "L1", 1, 0)  # generation 1 started the run
+    assert sorted(old.committed(read_forks(run / FORKS, "L1"))) == [20, 22, 24]
+    record_resume(run, "L1", 2, 20)  # generation 2 resumed from step 20 while this node was away
+    forks = read_forks(run / FORKS, "L1")
+    assert forks == [[1, 0], [2, 20]]
+    assert sorted(old.committed(forks)) == [20], "a part of the line the run left is a candidate"
+    new = tier(2)
+    save(new, 22, b"line 2")  # the new line's step 22 replaces the old one's
+    assert sorted(new.committed(forks)) == [20, 22]
+    assert (new.committed(forks)[22].path / "rank-00000.pt").read_bytes() == b"line 2"
+    assert read_forks(run / FORKS, "another lineage") == [], "another lineage's resumes apply to nothing here"
