@@ -371,9 +371,6 @@ class PeerCopy:
     def _landing(self, root: Path, owner: int) -> Callable[[dict], _Landing]:
         return lambda header: _Landing(root, header, self.run_id, owner=owner, world_size=self.tier.rank.world_size)
 
-    def wait(self) -> None:
-        self._queue.join()
-
     def summary(self) -> str:
         """How far the copies on the next node trailed the local commits (the steps a lost node can cost beyond the
         local interval)."""
@@ -459,11 +456,12 @@ class PeerCopy:
             _log.info(f"peer copy: step {best} for rank(s) {', '.join(map(str, fetched))} from a copy on another "
                       "node" if any(h != r for r, h in plan) else
                       f"peer copy: step {best} for rank(s) {', '.join(map(str, fetched))} from a copy on their node")
+        held = self.holdings() if any(h == rank.rank for _, h in plan) else {}  # read once, not per entry
         for r, h in plan:
             if rank.rank not in (r, h):
                 continue
             land = self._landing(self.tier.root, r) if rank.rank == r else None
-            path = self.holdings().get(r, {}).get(best) if rank.rank == h else None
+            path = held.get(r, {}).get(best) if rank.rank == h else None
             offer = (_offer_or_error(Path(path)) if path else ({"error": f"step {best} of rank {r} is gone"}, [])) \
                 if rank.rank == h else None
             try:
