@@ -11,6 +11,10 @@ HAS_GPU  := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev
 STEPS    ?= 300
 K        ?= 20
 PYTEST_ARGS ?=
+# Two pytest workers (pytest-xdist): a module's tests stay in one worker, the SLURM tests in one, the S3 tests in one
+# (tests/conftest.py); 0 runs the suite in one process
+TEST_WORKERS ?= 2
+XDIST    := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
 
 .PHONY: help install install-dev data train test test-fast faults bench bench-detail bench-mirror bench-data goodput powerloss clean distclean gpu-check
 
@@ -73,10 +77,10 @@ train: $(DATA)
 CAN_INSTALL_SLURM := $(shell [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && echo 1)
 test: $(DATA) $(VENV)/.installed-dev
 	PYRECOVER_SLURM_CPUS=$${PYRECOVER_SLURM_CPUS:-8} PYRECOVER_SLURM_INSTALL=$${PYRECOVER_SLURM_INSTALL:-$(CAN_INSTALL_SLURM)} \
-	  $(PY) -m pytest $(PYTEST_ARGS)
+	  $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: $(DATA) $(VENV)/.installed-dev
-	$(PY) -m pytest -m "not slurm and not s3" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not slurm and not s3" $(PYTEST_ARGS)
 
 faults: $(DATA)
 	$(PY) -m tests.faults --trials $(K) $(ARGS)

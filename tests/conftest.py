@@ -41,6 +41,27 @@ def pytest_report_header(config):
     return f"free disk under {tempfile.gettempdir()}: {free / 2**30:.1f} GiB (a run needs about {NEEDS_GIB} GiB at a time)"
 
 
+BENCHMARK_SMOKES = ("test_bench_", "test_goodput", "test_gpu_check")
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's; `make test` runs the suite on two workers
+def pytest_xdist_make_scheduler(config, log):
+    """A module's tests run in one worker, so its module fixtures (an uninterrupted reference run) run once; all the
+    SLURM tests share one worker (each cluster started once), and so do the S3 tests (one server). The biggest groups
+    are handed out first; the benchmark smokes are one group, so their few long tests do not end the run alone."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            parts = path.split("/")
+            if len(parts) > 2:
+                return "/".join(parts[:2])  # tests/slurm, tests/s3
+            return "benchmark smokes" if parts[-1].startswith(BENCHMARK_SMOKES) else path
+
+    return ByModule(config, log)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "benchmark_smoke: runs a benchmark harness end to end on a tiny schedule "
                                        "(checks the harness, measures nothing)")
