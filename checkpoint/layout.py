@@ -21,10 +21,9 @@ import shutil
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterator
+from typing import Callable
 
 from . import storage
 from .backends import BACKENDS  # the registry alone: the backend modules, which build on this one, load lazily
@@ -395,10 +394,12 @@ def _schema_problem(value, schema, where: str) -> str | None:
     return f"{where} is {_show(value)}, which no PyRecover writes"
 
 
-def verify(step_dir: Path, *, checksums: bool = True, keep: dict | None = None) -> dict:
+def verify(step_dir: Path, *, checksums: bool = True, keep: dict | None = None,
+           ahead: VerifiedAhead | None = None) -> dict:
     """Return the manifest if every listed file has its recorded size (and checksum); else raise CheckpointError.
     ``keep``: receives, by path, what the load right after needs of each verified file (``take_verified``): the
-    backend's parse of it (``Backend.parse_file``), else its bytes."""
+    backend's parse of it (``Backend.parse_file``), else its bytes; what ``ahead`` already verified and parsed of a
+    file with the same record is taken from there, not read again."""
     manifest = read_manifest(step_dir)
     algorithm = manifest["checksum"]
     listed = []
@@ -417,7 +418,7 @@ def verify(step_dir: Path, *, checksums: bool = True, keep: dict | None = None) 
         from .backends import backend_class  # the backends build on this module: imported when first verifying
 
         backend = backend_class(manifest["backend"])
-        kept = _read_checked(listed, algorithm, keep is not None, backend.parse_file)
+        kept = _read_checked(listed, algorithm, keep is not None, backend.parse_file, ahead)
         if keep is not None:
             keep.update(kept)
         backend.check_files(step_dir, manifest)
@@ -436,9 +437,9 @@ class VerifiedAhead:
     """What a restart verified and parsed before its load asked (Session.read_ahead, on the read-ahead's thread), by
     (path, size, checksum algorithm, checksum). The load's verify() and take_verified() take a file from here instead
     of reading it again when the manifest they check lists that same size and checksum: the bytes checked against it
-    are then the file as that manifest has it, whatever the file holds by now. Taken only while ``taking`` lends it to
-    this module (Session.open, once the read-ahead's thread has ended), and only once: a parsed state is handed over,
-    not copied."""
+    are then the file as that manifest has it, whatever the file holds by now. It travels with the load as its
+    ``ahead`` argument (Session.open hands it over once the read-ahead's thread has ended), and each file is taken
+    only once: a parsed state is handed over, not copied."""
 
     def __init__(self) -> None:
         self._found: dict[tuple, Parsed] = {}
@@ -472,36 +473,17 @@ class VerifiedAhead:
         self._found.clear()
 
 
-_ahead: VerifiedAhead | None = None  # lent by ``taking`` for one load
-
-
-@contextmanager
-def taking(ahead: VerifiedAhead | None) -> Iterator[None]:
-    """The load inside takes verified files from ``ahead`` (see VerifiedAhead); what it left is dropped after."""
-    global _ahead
-    _ahead = ahead
-    try:
-        yield
-    finally:
-        _ahead = None
-        if ahead is not None:
-            ahead.clear()
-
-
-def _take_ahead(path, record: dict, algorithm: str) -> "Parsed | None":
-    return _ahead.take(path, record, algorithm) if _ahead is not None else None
-
-
-def _read_checked(listed: list[tuple[Path, dict]], algorithm: str, keep: bool, parse) -> dict:
+def _read_checked(listed: list[tuple[Path, dict]], algorithm: str, keep: bool, parse,
+                  ahead: VerifiedAhead | None) -> dict:
     """Read and check every listed file; with ``keep``, what the load needs of each, by path. With a ``parse``, each
     verified file is parsed while a thread reads the next one: the read (the kernel's, and xxh3) runs without the GIL,
     so it overlaps the parse's copy into new memory. Largest first, so the one parse nothing overlaps is a small
     one. Nothing is applied to any state here: a file that fails its check discards what was parsed before it."""
     kept: dict = {}
-    if parse is not None:  # read ahead, checked against the same record: not read again
+    if parse is not None and ahead is not None:  # read ahead, checked against the same record: not read again
         left = []
         for path, rec in listed:
-            found = _take_ahead(path, rec, algorithm)
+            found = ahead.take(path, rec, algorithm)
             if found is None:
                 left.append((path, rec))
             elif keep:
@@ -536,8 +518,6 @@ def take_verified(path: Path, record: dict, algorithm: str, verified: dict | Non
     """What verify() kept of a manifest-listed file (its bytes, or its ``Parsed`` form), else its bytes, read now and
     verified as they arrive."""
     data = verified.pop(str(path), None) if verified else None
-    if data is None:
-        data = _take_ahead(path, record, algorithm)
     return data if data is not None else storage.read_checked(path, record["size"], algorithm, record[algorithm])
 
 
@@ -549,7 +529,8 @@ def spec_dir(root: Path, spec: str) -> Path:
     return path.parent if path.name in (MANIFEST, COMMITTED) or path.is_file() else path
 
 
-def resolve(root: Path, spec: str, *, quiet: bool = False, keep: bool = False) -> CheckpointInfo | None:
+def resolve(root: Path, spec: str, *, quiet: bool = False, keep: bool = False,
+            ahead: VerifiedAhead | None = None) -> CheckpointInfo | None:
     """Turn `latest`, a step number, or a path into a verified checkpoint.
 
     `latest` walks back from the newest committed checkpoint, skipping (with a warning naming it) any that fails
@@ -558,7 +539,7 @@ def resolve(root: Path, spec: str, *, quiet: bool = False, keep: bool = False) -
     """
     root = storage.as_path(root)
     if spec == "latest":
-        return resolve_latest([root], quiet=quiet, keep=keep)
+        return resolve_latest([root], quiet=quiet, keep=keep, ahead=ahead)
     path = spec_dir(root, spec)
     if spec.isdigit() and storage.is_link(path):
         raise CheckpointError(f"{path} is a symbolic link, not a checkpoint this run wrote; pass the folder it "
@@ -567,12 +548,13 @@ def resolve(root: Path, spec: str, *, quiet: bool = False, keep: bool = False) -
         raise CheckpointError(f"checkpoint {spec!r} not found (looked for {path}); use `python -m checkpoint list {root}`")
     m = STEP_DIR_RE.match(path.name)
     info = CheckpointInfo(int(m.group(1)) if m else -1, path, (path / COMMITTED).exists())
-    info.manifest = verify(path, keep=info.verified if keep else None)
+    info.manifest = verify(path, keep=info.verified if keep else None, ahead=ahead)
     info.step = int(info.manifest["step"])
     return info
 
 
-def resolve_latest(roots: list, *, quiet: bool = False, keep: bool = False) -> CheckpointInfo | None:
+def resolve_latest(roots: list, *, quiet: bool = False, keep: bool = False,
+                   ahead: VerifiedAhead | None = None) -> CheckpointInfo | None:
     """The newest (by numeric step) committed checkpoint under any of ``roots`` that verifies; on a tie the earlier
     root wins. Each one skipped is named in a warning. A root that cannot be listed (gone, unreachable) is skipped with
     a warning when another root answers; when none found a checkpoint, its error is raised: starting fresh over a
@@ -593,7 +575,7 @@ def resolve_latest(roots: list, *, quiet: bool = False, keep: bool = False) -> C
             warn(f"skipping {info.path}: not committed (interrupted save)")
             continue
         try:
-            info.manifest = verify(info.path, keep=info.verified if keep else None)
+            info.manifest = verify(info.path, keep=info.verified if keep else None, ahead=ahead)
             return info
         except CheckpointError as e:
             invalid.append(str(e))

@@ -77,6 +77,7 @@ class CheckpointManager:
         self.backend = backend
         self.rank = rank
         self.run_id = run_id
+        self._ahead: layout.VerifiedAhead | None = None  # what a read-ahead verified, during open() alone
         self.retention = retention
         self.commit_timeout_s = commit_timeout_s
         self.lease = lease  # one writer per run directory: None on object storage (no exclusive create there)
@@ -395,9 +396,9 @@ class CheckpointManager:
         if self.rank.is_main:
             try:
                 if spec == "latest" and self.mirror is not None:
-                    result = self.mirror.resolve_latest(self.root)
+                    result = self.mirror.resolve_latest(self.root, self._ahead)
                 else:
-                    result = layout.resolve(self.root, spec, keep=True)
+                    result = layout.resolve(self.root, spec, keep=True, ahead=self._ahead)
             except CheckpointError as e:
                 result = e
         result = self.rank.from_main(result)
@@ -460,7 +461,7 @@ class CheckpointManager:
                 return None
             mine = local.get(step)
             found = (info.path, info.manifest) if info is not None else self._shared_manifest(step)
-            if mine is not None and not self.tier.usable(mine, found[1] if found is not None else None):
+            if mine is not None and not self.tier.usable(mine, found[1] if found is not None else None, self._ahead):
                 del local[step]
                 mine = None
             everyone = all(self.rank.gather(mine is not None))
@@ -538,9 +539,10 @@ class CheckpointManager:
 
     # An incarnation opens the run directory in two halves, so the caller can check what was loaded before anything
     # moves: ``open`` (sweep, load), then ``follow`` (retire the line it no longer follows).
-    def open(self, spec: str | None, state: CheckpointState) -> int | None:
+    def open(self, spec: str | None, state: CheckpointState, ahead: layout.VerifiedAhead | None = None) -> int | None:
         """Clean up after crashed incarnations, then restore ``state`` from ``spec`` (None: start fresh). Nothing the
-        run had committed moves yet: a caller refusing the loaded checkpoint leaves the folder as it found it."""
+        run had committed moves yet: a caller refusing the loaded checkpoint leaves the folder as it found it.
+        ``ahead``: what a read-ahead already verified and parsed (layout.VerifiedAhead), for this load alone."""
         if self.rank.is_main:
             if (line := storage.medium(self.root).describe(self.root)) is not None:
                 _log.info(line)
@@ -553,7 +555,11 @@ class CheckpointManager:
                 self.tier.clear()  # a fresh start: nothing local belongs to it
                 if self.peer is not None:
                     self.peer.clear()
-        step = self.load(spec, state) if spec else None
+        self._ahead = ahead
+        try:
+            step = self.load(spec, state) if spec else None
+        finally:
+            self._ahead = None
         if self.tier is not None:  # pre-flight: the local tier holds what is known of the state now
             self.tier.check_space(lambda: part_bytes(state, self.tier.writes_shared), first_save=False)
         return step

@@ -120,10 +120,10 @@ class Mirror:
                 self._newest = (step, missing, None)
                 self._queue(step, missing, None)
 
-    def resolve_latest(self, primary) -> layout.CheckpointInfo | None:
+    def resolve_latest(self, primary, ahead: layout.VerifiedAhead | None = None) -> layout.CheckpointInfo | None:
         """`latest` over the primary and the mirror (the newest valid checkpoint; the primary on a tie), said in one
         line when the mirror's wins."""
-        info = layout.resolve_latest([primary, self.root], keep=True)
+        info = layout.resolve_latest([primary, self.root], keep=True, ahead=ahead)
         if info is not None and info.path.parent == self.root:
             _log.info(f"resume: the primary {primary} has no valid checkpoint at or after step {info.step}; using the "
                       f"mirror's {info.path}")

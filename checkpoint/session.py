@@ -280,14 +280,15 @@ class Session:
         # what the read-ahead verified, once its thread is done with it (one left behind by stop() is not trusted)
         verified = self._verified_ahead if ahead is not None and ahead.ended else None
         try:
-            with layout.taking(verified):
-                return self._open(spec, state)
+            return self._open(spec, state, verified)
         finally:
-            self._verified_ahead = layout.VerifiedAhead()  # what the load did not take is not held for the run
+            if verified is not None:
+                verified.clear()  # what the load did not take is not held for the run
+            self._verified_ahead = layout.VerifiedAhead()
             if ahead is not None:
                 ahead.release()
 
-    def _open(self, spec: str | None, state: CheckpointState) -> int | None:
+    def _open(self, spec: str | None, state: CheckpointState, ahead: layout.VerifiedAhead | None) -> int | None:
         s, main = self.settings, self.rank.is_main
         # One id per incarnation (part records, staging folder) and the lease's generation (fencing), on every rank.
         run_id = self.rank.from_main([uuid.uuid4().hex[:12], self.lease.generation if self.lease else 0,
@@ -307,7 +308,7 @@ class Session:
         self.manager = CheckpointManager(self.root, self.backend, self.rank, run_id=run_id[0], retention=retention,
                                          lease=self.lease, mirror=mirror, tier=tier, peer=peer)
         self.state = state
-        return self.manager.open(spec, state)
+        return self.manager.open(spec, state, ahead)
 
     def _local_tier(self, lineage: str, run_id: str, generation: int) -> tuple[LocalTier, PeerCopy | None]:
         """This rank's folder in its node's local tier, and with ``peer`` its side of the peer copy. The node's first

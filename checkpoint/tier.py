@@ -174,17 +174,18 @@ class LocalTier:
         return {info.step: info for info in layout.list_checkpoints(self.root)
                 if info.committed and not (forks and abandoned(info.path, forks))}
 
-    def usable(self, info: layout.CheckpointInfo, shared: dict | None = None) -> bool:
+    def usable(self, info: layout.CheckpointInfo, shared: dict | None = None,
+               ahead: layout.VerifiedAhead | None = None) -> bool:
         """Verify ``info`` (this rank's part and its leader's) and that it names this run; its bytes stay in
         ``info.verified`` for the load. ``shared``: the shared tier's manifest of the same step, when the shared tier
         holds it; then every file of the local copy (its leader's part too) must be one that manifest records, with the
         same size and checksum, or the rank loads the shared copy: a local manifest sits beside the files it vouches
         for, and whoever can change them can reseal it. A step that fails is removed, with one line saying why."""
         try:
-            info.manifest = self._verified(info.path, info.verified, shared)
+            info.manifest = self._verified(info.path, info.verified, shared, ahead)
             leader = info.manifest
             if self.leader_root != self.root:
-                leader = self._verified(self.leader_root / info.path.name, info.verified, shared)
+                leader = self._verified(self.leader_root / info.path.name, info.verified, shared, ahead)
         except CheckpointError as e:
             info.verified.clear()
             self._remove(info, f"not usable ({e})")
@@ -192,8 +193,9 @@ class LocalTier:
         self._leader_manifests[info.path] = leader  # the load reads the shared pieces as checked here, not re-read
         return True
 
-    def _verified(self, step_dir: Path, keep: dict | None, shared: dict | None) -> dict:
-        manifest = layout.verify(step_dir, keep=keep)
+    def _verified(self, step_dir: Path, keep: dict | None, shared: dict | None,
+                  ahead: layout.VerifiedAhead | None = None) -> dict:
+        manifest = layout.verify(step_dir, keep=keep, ahead=ahead)
         mine = {k: v for k, v in manifest.get("meta", {}).get("tier", {}).items() if k in self.identity}
         if step_dir.parent == self.leader_root:
             mine = {**mine, "rank": self.rank.rank}  # the leader's part names the leader

@@ -145,6 +145,23 @@ def test_the_load_takes_what_the_read_ahead_verified_and_never_what_failed(tmp_p
     assert _parsed_ahead(logs) == [1], list(logs)  # its rank file verified; model.pt did not
 
 
+def test_the_local_tiers_load_takes_what_the_read_ahead_verified(tmp_path):
+    """The verified files travel with the load (Session.open hands them to the manager, which hands them to the
+    tier's verify): a local file damaged after the read-ahead checked it is not read again, so step 6 still loads
+    from the local tier instead of failing its checksum there and falling back to the shared step 4."""
+    ck, local = tmp_path / "ck", tmp_path / "local"
+    _run(_session(ck, local, every=4, local_every=2), None, 7)  # shared: 4; local: 4 and 6
+    six = tier_root(local, "default", str(ck / "default")) / "rank-00000" / "step-00000006"
+    session = _session(ck, local, every=4, local_every=2)
+    ahead = session.read_ahead("latest")
+    assert ahead.wait(timeout=30)
+    _damage(six / "model.pt")
+    logs, model = LogLines(), Value()
+    assert session.open("latest", CheckpointState(model=model, dataloader=Value())) == 6, list(logs)
+    assert model.v == 6 and torch.equal(model.w, Value().w) and logs.has("from their local tier"), list(logs)
+    session.release()
+
+
 @pytest.mark.parametrize("name", ["model.pt", "COMMITTED"])
 def test_a_fifo_in_the_step_folder_is_not_waited_on(tmp_path, name):
     """A FIFO where a payload or the commit marker was: reading it would wait for a writer forever. The read-ahead's
