@@ -912,8 +912,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="--node-loss: the local tier's interval in steps (default 2)")
     p.add_argument("--shared-every", type=int, default=None,
                    help="--node-loss: the shared tier's interval in steps, a multiple of --local-every (default 20)")
+    p.add_argument("--batch-size", type=int, default=2,
+                   help="train.py --batch-size of every run (default 2): a larger batch makes a longer step at the "
+                        "same checkpoint size, as a GPU cluster's steps are long against what a save copies")
     p.add_argument("--quick", action="store_true", help="a short smoke run: few steps, MTBF 10 s")
     args = p.parse_args(argv)
+    if args.batch_size < 1:
+        p.error("--batch-size must be at least 1")
+    TRAIN_ARGS[TRAIN_ARGS.index("--batch-size") + 1] = str(args.batch_size)
     if args.node_loss:
         if args.configs is not None or args.repeats != 1 or args.shared != "disk":
             p.error("--node-loss runs its own two configurations once on a shared tier on disk: leave out --configs, "

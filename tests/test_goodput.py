@@ -25,7 +25,7 @@ def test_goodput_harness_smoke(corpus, tmp_path):
                            "--launcher", "direct", "--repeats", "2",
                            "--delta-from", "blocked",  # the interval stays short of the kill at step 12
                            "--dataset", corpus, "--out", str(tmp_path)],
-                          cwd=ROOT, env=env_for_tests(), capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, env=env_for_tests(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for name in ("goodput.md", "goodput.json", "goodput.png"):
         assert (tmp_path / name).stat().st_size > 0, name
