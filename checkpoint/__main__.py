@@ -31,9 +31,8 @@ from . import layout, logs, storage
 from .errors import CheckpointError
 from .fsio import MiB
 from .convert import FORMATS
-from .peer import PEER_DIR  # <tier>/peer/rank-N/step-M: the copies this node holds of rank N's parts
+from .places import PEER_DIR, tier_root  # <tier>/peer/rank-N/step-M: the copies this node holds of rank N's parts
 from .reader import check_each, read_section, targets as _targets
-from .tier import tier_root
 
 
 def _card(info: layout.CheckpointInfo) -> dict:

@@ -39,11 +39,11 @@ from .backends import RankInfo
 from .errors import CheckpointError
 from .fsio import MiB, fsync_dir, make_dirs, new_hasher
 from .logs import EVERY_RANK
-from .tier import LocalTier, abandoned, rank_dir_name
+from .places import PEER_DIR, rank_dir_name
+from .tier import LocalTier, abandoned
 
 _log = logging.getLogger(__name__)
 
-PEER_DIR = "peer"
 CHUNK = 16 * MiB  # what one send holds: at most two chunks per rank are in memory at once
 
 

@@ -32,12 +32,13 @@ from .backends.torchfile import rank_file
 from .errors import CheckpointError
 from .jit import JustInTime, NoJIT
 from .manager import CheckpointManager, SaveRecord
-from .mirror import Mirror, refusal as mirror_refusal
-from .peer import PEER_DIR, Link, PeerCopy, buddies
+from .mirror import Mirror
+from .peer import Link, PeerCopy, buddies
+from .places import Places
 from .policy import FINISHED, INTERVAL, NONE, SignalWatcher, When, step_boundary
 from .reader import section_reader
 from .state import CheckpointState, RunInfo
-from .tier import LocalTier, rank_dir_name, tier_root
+from .tier import LocalTier
 
 _log = logging.getLogger(__name__)
 
@@ -88,17 +89,11 @@ class Session:
         ``check_writable``). ``agree(x)``: the maximum of ``x`` over all ranks (an all-reduce; identity for one
         process)."""
         s = settings
+        self.places = Places.of(s)  # where this run's steps live (places.py), each place refused here if it cannot work
         check_combination(s.backend, sharded=s.sharded, checkpoint_dir=s.checkpoint_dir, async_save=s.async_save,
-                          jit=s.jit, local_tier=bool(s.local_dir))
-        if s.mirror_dir and (why := mirror_refusal(s.checkpoint_dir, s.mirror_dir, s.experiment)):
-            raise CheckpointError(why)
-        if s.local_dir and (why := local_tier_refusal(s)):
-            raise CheckpointError(why)
-        if s.peer and not s.local_dir:
-            raise CheckpointError("--peer-checkpoint needs --local-checkpoint-dir: the peer copy is a second copy of "
-                                  "the node-local tier's steps, on the next node")
+                          jit=s.jit, local_tier=self.places.local is not None)
         self.settings, self.rank, self.agree, self.signals, self.started = s, rank, agree, signals, started
-        self.root = storage.as_path(s.checkpoint_dir) / s.experiment
+        self.root = self.places.shared.root
         self.filesystem = storage.medium(self.root).filesystem  # the lease and local logs need one
         self.backend = make_backend(s.backend, rank, **s.backend_options)
         self.lease: run_lease.Lease | None = None  # rank 0 after take(); every rank after open() when there is one
@@ -133,8 +128,7 @@ class Session:
 
     def _roots(self) -> list:
         """Where `latest` is looked for: the run folder, then the mirror's."""
-        s = self.settings
-        return [self.root] + ([storage.as_path(s.mirror_dir) / s.experiment] if s.mirror_dir else [])
+        return [p.root for p in self.places.whole_steps]
 
     def peek(self, spec: str) -> tuple[int, RunInfo] | None:
         """Read-only: the step ``spec`` resolves to now and the run_info saved with it, or None (nothing to resume)."""
@@ -207,9 +201,8 @@ class Session:
         import on a second thread can meet the main thread's imports in the interpreter's import locks."""
         step_dirs = self._step_dirs(spec)
         shared = layout.read_manifest(step_dirs[0]) if step_dirs and self._readable(step_dirs[0]) else None
-        if spec == "latest" and self.settings.local_dir:  # the load takes a local copy of that step or a newer one
-            mine = tier_root(self.settings.local_dir, self.settings.experiment, str(self.root)) / rank_dir_name(
-                self.rank.rank)
+        if spec == "latest" and self.places.local is not None:  # the load takes a local copy of that step or newer
+            mine = self.places.local.rank_dir(self.rank.rank)
             newest = shared["step"] if shared is not None else 0
             local = [i for i in layout.list_checkpoints(mine) if i.committed and i.step >= newest]
             if local:  # this rank's part, and the shared pieces from its node leader's part (the rank's own, on it)
@@ -218,7 +211,7 @@ class Session:
                 planned = self._plan_files(step_dir, manifest, list(manifest["files"]), records)
                 leader = manifest.get("meta", {}).get("tier", {}).get("leader", self.rank.rank)
                 if planned is not None and isinstance(leader, int) and leader != self.rank.rank:
-                    planned[1].extend(self._plan_leader(mine.parent / rank_dir_name(leader) / step_dir.name, leader,
+                    planned[1].extend(self._plan_leader(self.places.local.rank_dir(leader) / step_dir.name, leader,
                                                         records))
                 return planned
         if shared is None:
@@ -299,12 +292,12 @@ class Session:
             self.lease.start_heartbeat()
         retention = layout.Retention(s.keep, s.keep_every, s.keep_best)
         mirror = None
-        if s.mirror_dir and main:
-            mirror = Mirror(storage.as_path(s.mirror_dir) / s.experiment, run_id=run_id[0], every=s.mirror_every,
+        if self.places.mirror is not None and main:
+            mirror = Mirror(self.places.mirror.root, run_id=run_id[0], every=s.mirror_every,
                             timeout_s=s.mirror_timeout_s, retention=retention if s.mirror_keep is None else
                             replace(retention, keep=s.mirror_keep))
-        tier, peer = (self._local_tier(lineage=run_id[2], run_id=run_id[0], generation=run_id[1]) if s.local_dir
-                      else (None, None))
+        tier, peer = (self._local_tier(lineage=run_id[2], run_id=run_id[0], generation=run_id[1])
+                      if self.places.local is not None else (None, None))
         self.manager = CheckpointManager(self.root, self.backend, self.rank, run_id=run_id[0], retention=retention,
                                          lease=self.lease, mirror=mirror, tier=tier, peer=peer)
         self.state = state
@@ -320,15 +313,17 @@ class Session:
         order, why = buddies(nodes) if s.peer else ([], None)
         if why and self.rank.is_main:
             _say(f"warning: --peer-checkpoint: {why}; the local tier goes on without a peer copy")
-        tier = LocalTier(s.local_dir, s.experiment, self.rank, leader=leader, identity=identity, keep=s.local_keep,
-                         copies=2 if order else 1, generation=generation)
+        tier = LocalTier(self.places.local.root, self.rank, leader=leader, identity=identity, keep=s.local_keep,
+                         copies=2 if order else 1, generation=generation, setting=self.places.local.setting)
         if not order:
             return tier, None
         link = Link(self.rank, timeout_s=s.peer_timeout_s)  # collective: every rank, in the same order
         scope = None
         if knobs.emulated_nodes():  # one host, one local folder: each emulated node holds only what its ranks wrote
             mates = [r for r, name in enumerate(nodes) if name == nodes[self.rank.rank]]
-            scope = {rank_dir_name(r) for r in mates} | {f"{PEER_DIR}/{rank_dir_name(order.index(r))}" for r in mates}
+            local, peer = self.places.local, self.places.peer
+            scope = {str(p.relative_to(local.root)) for r in mates
+                     for p in (local.rank_dir(r), peer.rank_dir(order.index(r)))}
         return tier, PeerCopy(tier, link, buddy=order[self.rank.rank], source=order.index(self.rank.rank),
                               keep=s.local_keep, run_id=run_id, scope=scope)
 
@@ -345,7 +340,7 @@ class Session:
         self.policy = step_boundary(self.settings.when, rank=self.rank.rank, agree=self.agree, signals=self.signals,
                                     save_history=self.manager.history, start=self.started,
                                     fenced=(lambda: self.manager.fenced) if main else None,
-                                    local_every=self.settings.local_every if self.settings.local_dir else 0)
+                                    local_every=self.settings.local_every if self.places.local is not None else 0)
 
     def start(self) -> None:
         """Right before the loop: from now on a stop signal means 'save at the next step boundary and stop'."""
@@ -446,18 +441,3 @@ class Session:
         """Where files that stay on local disk go (loss CSV, profiler traces): the run folder, or ``fallback`` when
         the run folder is object storage."""
         return self.root if self.filesystem else fallback
-
-
-def local_tier_refusal(s: Settings) -> str | None:
-    """Why ``--local-checkpoint-dir`` cannot work with these settings, in one line, or None."""
-    if not storage.medium(s.local_dir).filesystem:
-        return f"--local-checkpoint-dir {s.local_dir} must be a folder on each node (/dev/shm/..., a local NVMe disk)"
-    if s.local_every < 0 or s.local_keep < 1:
-        return "--local-checkpoint-frequency must be at least 0 and --local-checkpoint-keep at least 1"
-    if s.local_every and s.when.every_steps % s.local_every:
-        return (f"--checkpoint-frequency {s.when.every_steps} must be a multiple of --local-checkpoint-frequency "
-                f"{s.local_every}: the shared tier receives local steps")
-    local = Path(s.local_dir).resolve()
-    if storage.medium(s.checkpoint_dir).filesystem and local == Path(s.checkpoint_dir).resolve():
-        return "--local-checkpoint-dir must differ from --checkpoint-dir (the shared tier)"
-    return None

@@ -28,7 +28,6 @@ collective ``.metadata`` and is refused with the local tier (backends.combinatio
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -49,36 +48,21 @@ from .backends.torchfile import load_pieces, rank_file
 from .errors import CheckpointError
 from .fsio import MiB, is_disk_full, make_dirs
 from .logs import EVERY_RANK
+from .places import rank_dir_name, run_folder_name, tier_root  # noqa: F401 (the tier's folder names, for callers)
 from .reader import flatten
 from .state import CheckpointState, OptimizerState
 
 _log = logging.getLogger(__name__)
 
 
-def rank_dir_name(rank: int) -> str:
-    return f"rank-{rank:05d}"
-
-
-def run_folder_name(origin: str, experiment: str) -> str:
-    """The run's folder in a local tier: its experiment name and a key of the shared run folder it caches. Two runs of
-    one experiment name on a node (another --checkpoint-dir, the same --local-checkpoint-dir) each get their own, so
-    neither sweeps, retires or counts the other's steps."""
-    where = origin if "://" in origin else os.path.realpath(origin)
-    return f"{experiment}-{hashlib.sha256(where.encode()).hexdigest()[:8]}"
-
-
-def tier_root(local_dir, experiment: str, origin: str) -> Path:
-    """``origin``: the shared tier's run folder (``<--checkpoint-dir>/<experiment>``, a path or an s3:// URI)."""
-    return Path(local_dir) / run_folder_name(origin, experiment)
-
-
 class LocalTier:
     """This rank's folder in its node's local tier, and its node leader's (read-only)."""
 
-    def __init__(self, local_dir, experiment: str, rank: RankInfo, *, leader: int, identity: dict, keep: int = 2,
-                 copies: int = 1, generation: int = 0):
-        base = tier_root(local_dir, experiment, str(identity["origin"]))
-        self._flag, self._folder_checked = f"--local-checkpoint-dir {local_dir}", False
+    def __init__(self, base: Path, rank: RankInfo, *, leader: int, identity: dict, keep: int = 2, copies: int = 1,
+                 generation: int = 0, setting: str = ""):
+        """``base``: the run's folder in the tier (places.Places.local); ``setting``: what names it, for messages."""
+        base = Path(base)
+        self._flag, self._folder_checked = setting or f"--local-checkpoint-dir {base.parent}", False
         self.root = base / rank_dir_name(rank.rank)
         self._private()  # refused before anything is read from there
         self.leader_root = base / rank_dir_name(leader)

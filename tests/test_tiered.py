@@ -293,9 +293,10 @@ def test_a_retired_local_step_gives_its_files_to_the_next_save(tmp_path):
     from checkpoint.backends import RankInfo
     from checkpoint.errors import CheckpointError
     from checkpoint.fsio import atomic_write, checksum_file
-    from checkpoint.tier import LocalTier
+    from checkpoint.tier import LocalTier, tier_root
 
-    tier = LocalTier(tmp_path, "run", RankInfo(0, 1), leader=0, identity={"origin": str(tmp_path / "shared" / "run")})
+    origin = str(tmp_path / "shared" / "run")
+    tier = LocalTier(tier_root(tmp_path, "run", origin), RankInfo(0, 1), leader=0, identity={"origin": origin})
     step = tier.root / layout.step_dir_name(2)
     step.mkdir(parents=True)
     (step / "model.pt").write_bytes(os.urandom(3 << 20))
@@ -354,9 +355,9 @@ def test_a_failed_drain_gives_up_on_the_shared_step_at_once_and_keeps_the_local_
     from checkpoint.backends import RankInfo
     from checkpoint.errors import CheckpointError
     from checkpoint.fsio import atomic_write_bytes
-    from checkpoint.tier import Drainer, LocalTier
+    from checkpoint.tier import Drainer, LocalTier, tier_root
 
-    tier = LocalTier(tmp_path / "local", "run", RankInfo(0, 1), leader=0,
+    tier = LocalTier(tier_root(tmp_path / "local", "run", str(tmp_path / "shared")), RankInfo(0, 1), leader=0,
                      identity={"origin": str(tmp_path / "shared")})
     staged = tier.save_dir("0123abcd", 2)
     files = {"model.pt": atomic_write_bytes(staged / "model.pt", os.urandom(1 << 20))}
@@ -518,15 +519,15 @@ def test_a_local_part_of_a_line_the_run_left_is_never_a_candidate(tmp_path):
     resume belongs to the line the run left (tier.abandoned). The new line's part of the same step is chosen."""
     from checkpoint import layout, storage
     from checkpoint.backends.base import RankInfo
-    from checkpoint.tier import FORKS, LocalTier, read_forks, record_resume
+    from checkpoint.tier import FORKS, LocalTier, read_forks, record_resume, tier_root
 
     run = tmp_path / "ckpt" / "run"
     run.mkdir(parents=True)
     identity = {"origin": str(run), "lineage": "L1", "job": ""}
 
     def tier(generation: int) -> LocalTier:
-        return LocalTier(tmp_path / "local", "run", RankInfo(0, 1, 0), leader=0, identity=identity,
-                         generation=generation)
+        return LocalTier(tier_root(tmp_path / "local", "run", str(run)), RankInfo(0, 1, 0), leader=0,
+                         identity=identity, generation=generation)
 
     def save(t: LocalTier, step: int, data: bytes) -> None:
         step_dir = t.save_dir(f"g{t.generation}", step)
