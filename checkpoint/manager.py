@@ -391,12 +391,17 @@ class CheckpointManager:
 
     # --- load ----------------------------------------------------------------------------------------------------
     def resolve(self, spec: str) -> layout.CheckpointInfo | None:
-        """Rank 0 resolves `latest`/step/path and verifies it; every rank gets the same answer."""
+        """Rank 0 resolves a step or path, or `latest` over the places that hold whole steps (the run folder, then
+        the mirror: the newest valid step, the run folder's on a tie), and verifies it; every rank gets the same
+        answer."""
         result = None
         if self.rank.is_main:
             try:
-                if spec == "latest" and self.mirror is not None:
-                    result = self.mirror.resolve_latest(self.root, self._ahead)
+                if spec == "latest":
+                    result = layout.resolve_latest(self._roots(), keep=True, ahead=self._ahead)
+                    if result is not None and result.path.parent != self.root:
+                        _log.info(f"resume: the primary {self.root} has no valid checkpoint at or after step "
+                                  f"{result.step}; using the mirror's {result.path}")
                 else:
                     result = layout.resolve(self.root, spec, keep=True, ahead=self._ahead)
             except CheckpointError as e:
@@ -407,11 +412,11 @@ class CheckpointManager:
         return result
 
     def load(self, spec: str, state: CheckpointState) -> int | None:
-        """Restore ``state`` from `latest`, a step number or a path. Returns the step, or None if `latest` found none.
-        With a local tier, `latest` is the newest step every rank can load from one of the two tiers (``_nearest``)."""
+        """Restore ``state`` from `latest` (``_latest``), a step number or a path. Returns the step, or None if
+        `latest` found none."""
         t0 = time.perf_counter()
-        if self.tier is not None and spec == "latest":
-            return self._nearest(state, t0)
+        if spec == "latest":
+            return self._latest(state, t0)
         info = self.resolve(spec)
         if info is None:
             return None
@@ -429,13 +434,22 @@ class CheckpointManager:
         finally:
             info.verified.clear()  # what the load did not take is not held for the rest of the run
 
-    def _nearest(self, state: CheckpointState, t0: float) -> int | None:
-        """Resume from the nearest tier: the newest step that every rank holds locally wins if the shared tier has
-        nothing newer committed; otherwise the shared tier's `latest`, which each rank still loads from its local tier
-        if it holds that step. Only the chosen step is verified: a local copy that fails is removed, and the choice is
+    def _latest(self, state: CheckpointState, t0: float) -> int | None:
+        """`latest`, for every place: the newest step every rank can load from its nearest place. Without node-local
+        places that is the whole-step places' `latest` (``resolve``). With them, the newest step that every rank holds
+        locally (in its node's tier, or restored from a peer's copy) wins if the shared tier has nothing newer
+        committed; otherwise the shared tier's `latest`, which each rank still loads from its local tier if it holds
+        that step. Only the chosen step is verified: a local copy that fails is removed, and the choice is
         made again without it. When the shared tier holds the chosen step, a local copy must also match its manifest
         (LocalTier.usable), else that rank loads the shared copy. A step restored only from local tiers is then
         drained to the shared tier, so losing a node right after loses nothing."""
+        if self.tier is None:
+            info = self.resolve("latest")
+            if info is None:
+                return None
+            self._load_shared(info, state)
+            self._loaded(info, t0)
+            return info.step
         # the run's resumes, from its folder: a local part of a line the run has left is no candidate
         forks = self.rank.from_main(read_forks(self.root / FORKS, self.tier.identity["lineage"])
                                     if self.rank.is_main and self.lease is not None else [])

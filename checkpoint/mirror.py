@@ -14,8 +14,9 @@ it: one warning when the mirror starts failing, retries, one line when it recove
       -> retention on the mirror (--mirror-keep; never the newest committed one)
 
 A SIGKILL mid-copy leaves a staging folder (local: swept by the next start, ``recover``) or an uncommitted folder (s3:
-swept by the next start): never a committed partial checkpoint. ``CheckpointManager.resolve('latest')`` looks in both
-locations (``resolve_latest``); the newest valid checkpoint wins, the primary on a tie.
+swept by the next start): never a committed partial checkpoint. `latest` looks in both
+locations (``CheckpointManager._latest``, the one resolver of every place); the newest valid checkpoint wins, the
+primary on a tie.
 """
 
 from __future__ import annotations
@@ -119,15 +120,6 @@ class Mirror:
             with self._cv:
                 self._newest = (step, missing, None)
                 self._queue(step, missing, None)
-
-    def resolve_latest(self, primary, ahead: layout.VerifiedAhead | None = None) -> layout.CheckpointInfo | None:
-        """`latest` over the primary and the mirror (the newest valid checkpoint; the primary on a tie), said in one
-        line when the mirror's wins."""
-        info = layout.resolve_latest([primary, self.root], keep=True, ahead=ahead)
-        if info is not None and info.path.parent == self.root:
-            _log.info(f"resume: the primary {primary} has no valid checkpoint at or after step {info.step}; using the "
-                      f"mirror's {info.path}")
-        return info
 
     # --- copying -------------------------------------------------------------------------------------------------
     def protected(self) -> set[int]:
