@@ -31,6 +31,7 @@ from .errors import CheckpointError
 from .fsio import MiB
 from .knobs import mirror_delay_s
 from .lease import Fenced
+from .promoter import NEWEST, Promoter
 
 _log = logging.getLogger(__name__)
 
@@ -69,17 +70,14 @@ class Mirror:
         self.every, self.retention = every, retention
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self.guard: Callable[[str], None] = layout.no_guard
-        self._cv = threading.Condition()
-        self._pending: tuple | None = None  # (step, primary step folder, SaveRecord | None, submitted at)
-        self._copying: int | None = None
+        self._lock = threading.Lock()
         self._newest: tuple | None = None  # the newest step the primary committed, mirrored or not
-        self._thread: threading.Thread | None = None
-        self._closing = False
+        self._promoter: Promoter | None = None  # shared -> mirror, the newest step only (promoter.py); from start()
+        self._early: tuple | None = None  # a step committed before start() (a restored step drained at open)
         self._failing = False  # warned once; the next success says the mirror recovered
         self._fenced = False
         self.copied: list[int] = []
         self.failed: list[int] = []
-        self.skipped = 0
         self.bytes = 0
         self.seconds = 0.0
 
@@ -114,23 +112,27 @@ class Mirror:
         except (OSError, CheckpointError) as e:
             self._warn(f"cannot move the mirror's checkpoints newer than step {step} aside ({_why(e)}); a later "
                        "resume from `latest` may pick them")
-        self._thread = threading.Thread(target=self._run, name="ckpt-mirror", daemon=True)
-        self._thread.start()
-        if missing is not None:
-            with self._cv:
+        with self._lock:
+            self._promoter = Promoter("ckpt-mirror", self._run, mode=NEWEST)
+            early, self._early = self._early, None
+            if missing is not None:
                 self._newest = (step, missing, None)
                 self._queue(step, missing, None)
+            elif early is not None:
+                self._promoter.submit(*early)
 
     # --- copying -------------------------------------------------------------------------------------------------
     def protected(self) -> set[int]:
         """The primary's steps the copier may still read: the primary's retention keeps them."""
-        with self._cv:
-            return {s for s in (self._copying, self._pending[0] if self._pending else None) if s is not None}
+        with self._lock:
+            if self._promoter is None:
+                return {self._early[0]} if self._early is not None else set()
+        return self._promoter.protected()
 
     def submit(self, step: int, src, record=None) -> None:
         """The primary committed ``step`` in ``src``: copy it if it is due (``every``). Never blocks: a due step still
         waiting is replaced by this newer one."""
-        with self._cv:
+        with self._lock:
             if self._newest is not None and step < self._newest[0]:
                 return  # saves commit out of order (--max-async): the mirror follows the newest, never goes back
             self._newest = (step, src, record)
@@ -138,30 +140,20 @@ class Mirror:
                 self._queue(step, src, record)
 
     def _queue(self, step: int, src, record) -> None:
-        if self._pending is not None:
-            self.skipped += 1
-        self._pending = (step, src, record, time.perf_counter())
-        self._cv.notify_all()
+        job = (step, (src, record, time.perf_counter()))
+        if self._promoter is None:
+            self._early = job  # start() hands it on
+        else:
+            self._promoter.submit(*job)
 
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while self._pending is None and not self._closing:
-                    self._cv.wait()
-                if self._pending is None:
-                    return
-                step, src, record, submitted = self._pending
-                self._pending, self._copying = None, step
-            try:
-                self._copy_with_retries(step, src, record, submitted)
-            except Exception as e:  # noqa: BLE001 - a bug here must not end mirroring unseen; training goes on
-                _log.exception(f"warning: mirror: copying step {step} failed unexpectedly")
-                self.failed.append(step)
-                self._warn(f"copying step {step} failed ({type(e).__name__}: {e}); later checkpoints are still tried")
-            finally:
-                with self._cv:
-                    self._copying = None
-                    self._cv.notify_all()
+    def _run(self, step: int, job: tuple) -> None:
+        src, record, submitted = job
+        try:
+            self._copy_with_retries(step, src, record, submitted)
+        except Exception as e:  # noqa: BLE001 - a bug here must not end mirroring unseen; training goes on
+            _log.exception(f"warning: mirror: copying step {step} failed unexpectedly")
+            self.failed.append(step)
+            self._warn(f"copying step {step} failed ({type(e).__name__}: {e}); later checkpoints are still tried")
 
     def _copy_with_retries(self, step: int, src, record, submitted: float) -> None:
         delay = self.backoff_s
@@ -170,8 +162,9 @@ class Mirror:
                 nbytes = self._copy(step, storage.as_path(src))
                 self._retain()
             except Fenced:
-                with self._cv:
-                    self._fenced, self._pending = True, None
+                with self._lock:
+                    self._fenced = True
+                self._promoter.drop_waiting()
                 return
             except (OSError, CheckpointError) as e:
                 why = f"copying step {step} to the mirror {self.root} failed (attempt {attempt} of {self.retries}: " \
@@ -181,9 +174,9 @@ class Mirror:
                     self._warn(f"{why}; training continues, the copy is retried")
                 else:
                     _log.debug(why)
-                with self._cv:  # wait before retrying, unless a newer step arrives: it replaces this one
-                    if attempt == self.retries or self._cv.wait_for(lambda: self._pending is not None, delay):
-                        break
+                # wait before retrying, unless a newer step arrives: it replaces this one
+                if attempt == self.retries or self._promoter.newer_waiting(delay):
+                    break
                 delay *= 2
                 continue
             took = time.perf_counter() - submitted
@@ -247,18 +240,16 @@ class Mirror:
     def close(self) -> None:
         """Mirror the newest committed checkpoint if it is not yet (the final one), then wait for the copier, at most
         ``timeout_s``. Never raises: what did not reach the mirror is said in one warning."""
-        if self._thread is None:
+        if self._promoter is None:
             return
-        with self._cv:
+        with self._lock:
             newest = self._newest
             if (newest is not None and not self._fenced and newest[0] not in self.copied
-                    and newest[0] != self._copying and (self._pending is None or self._pending[0] != newest[0])):
+                    and not self._promoter.holds(newest[0])):
                 self._queue(*newest)
-            self._closing = True
-            self._cv.notify_all()
-        self._thread.join(self.timeout_s)
-        if self._thread.is_alive():
-            left = self._copying if self._copying is not None else newest[0] if newest else "?"
+        if not self._promoter.close(self.timeout_s):
+            current = self._promoter.current
+            left = current if current is not None else newest[0] if newest else "?"
             self._warn(f"the final copy to the mirror {self.root} did not finish within --mirror-timeout "
                        f"{self.timeout_s:g}s (step {left}); the primary holds it")
         else:
@@ -266,7 +257,8 @@ class Mirror:
 
     def summary(self) -> str:
         last = max(self.copied) if self.copied else "none"
-        skipped = f", {self.skipped} skipped (a newer step came first)" if self.skipped else ""
+        skipped = self._promoter.skipped if self._promoter is not None else 0
+        skipped = f", {skipped} skipped (a newer step came first)" if skipped else ""
         failed = f" (steps {', '.join(map(str, self.failed[-5:]))})" if self.failed else ""
         return (f"mirror: {len(self.copied)} copied, {len(self.failed)} failed{failed}{skipped}, last mirrored step "
                 f"{last}, {self.bytes / MiB:.1f} MiB in {self.seconds:.1f}s to {self.root}")

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import shutil
 import stat
 import threading
@@ -49,6 +48,7 @@ from .errors import CheckpointError
 from .fsio import MiB, is_disk_full, make_dirs
 from .logs import EVERY_RANK
 from .places import rank_dir_name, run_folder_name, tier_root  # noqa: F401 (the tier's folder names, for callers)
+from .promoter import ORDERED, Promoter
 from .reader import flatten
 from .state import CheckpointState, OptimizerState
 
@@ -370,69 +370,34 @@ def everywhere(local: dict[int, layout.CheckpointInfo], gather: Callable[[object
 
 
 class Drainer:
-    """One background thread per rank: copies this rank's part of a locally committed step into the shared tier,
-    then calls ``land(step, files)`` (the part record; rank 0 commits there). A copy that fails calls
-    ``abandon(shared_dir, error)`` instead (a failure record: rank 0 gives up on that step at once, not after its
-    commit timeout), and the step stays protected from local retention: the local tier still holds it. Steps drain in
-    order; ``wait`` returns once every queued step has landed, re-raising the first error (also at ``poll``)."""
+    """Node-local -> shared: an ordered promoter (promoter.py) per rank that copies this rank's part of a locally
+    committed step into the shared tier, then calls ``land(step, files)`` (the part record; rank 0 commits there). A
+    copy that fails calls ``abandon(shared_dir, error)`` instead (a failure record: rank 0 gives up on that step at
+    once, not after its commit timeout), and the step stays protected from local retention: the local tier still
+    holds it. ``wait`` returns once every queued step has landed, re-raising the first error (also at ``poll``)."""
 
     def __init__(self, tier: LocalTier, land: Callable[..., None], abandon: Callable[..., None]):
         self.tier, self.land, self.abandon = tier, land, abandon
-        self.pending: set[int] = set()
-        self._queue: queue.Queue = queue.Queue()
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="ckpt-drain", daemon=True)
-        self._thread.start()
-
-    def protected(self) -> set[int]:
-        """The steps queued or draining now (a copy: the drainer thread changes the set)."""
-        with self._lock:
-            return set(self.pending)
+        self._promoter = Promoter("ckpt-drain", self._drain, mode=ORDERED)
+        self.protected, self.poll, self.wait = self._promoter.protected, self._promoter.poll, self._promoter.wait
 
     def submit(self, step: int, shared_dir, **land_args) -> None:
-        with self._lock:
-            self.pending.add(step)
-        self._queue.put((step, shared_dir, land_args))
+        self._promoter.submit(step, (shared_dir, land_args))
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            step, shared_dir, land_args = item
-            landed = False
-            try:
-                if self._error is None:
-                    files = {}
-                    try:
-                        for name, (src, record, algorithm) in self.tier.drain_files(step).items():
-                            files[name] = _copy_checked(src, record, algorithm, shared_dir / name)
-                            time.sleep(knobs.drain_delay_s())  # test-only: a slow shared tier
-                    except (OSError, CheckpointError) as e:
-                        self.abandon(shared_dir, e)
-                        raise
-                    self.land(step, shared_dir, files, **land_args)
-                    landed = True
-            except BaseException as e:  # noqa: BLE001 - re-raised in the training thread (poll/wait)
-                self._error = self._error or e
-            finally:
-                if landed:  # else not drained: the local step stays protected
-                    with self._lock:
-                        self.pending.discard(step)
-                self._queue.task_done()
-
-    def poll(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-    def wait(self) -> None:
-        self._queue.join()
-        self.poll()
+    def _drain(self, step: int, job: tuple) -> None:
+        shared_dir, land_args = job
+        files = {}
+        try:
+            for name, (src, record, algorithm) in self.tier.drain_files(step).items():
+                files[name] = _copy_checked(src, record, algorithm, shared_dir / name)
+                time.sleep(knobs.drain_delay_s())  # test-only: a slow shared tier
+        except (OSError, CheckpointError) as e:
+            self.abandon(shared_dir, e)
+            raise
+        self.land(step, shared_dir, files, **land_args)
 
     def close(self) -> None:
-        self._queue.put(None)
+        self._promoter.close(0)  # the manager waited for what it needs; the thread ends after what is queued
 
 
 def _copy_checked(src: Path, record: dict, algorithm: str, dst) -> dict:
