@@ -26,9 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import shutil
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -40,6 +38,7 @@ from .errors import CheckpointError
 from .fsio import MiB, fsync_dir, make_dirs, new_hasher
 from .logs import EVERY_RANK
 from .places import PEER_DIR, rank_dir_name
+from .promoter import ORDERED, Promoter
 from .tier import LocalTier, abandoned
 
 _log = logging.getLogger(__name__)
@@ -304,16 +303,13 @@ class PeerCopy:
         self.run_folder = tier.root.parent
         self.root = self.run_folder / PEER_DIR / rank_dir_name(source)  # the copies kept here for ``source``
         self.keep, self.run_id = max(keep, 1), run_id
-        self._pending: set[int] = set()
-        self._lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue()
         self._failed: str | None = None
         self._said_first = False
         self._forks: list = []  # the run's resumes while a restore runs (tier.abandoned)
         self.lags: list[float] = []  # per step sent: seconds from its local commit until the buddy's copy committed
         self.sent_bytes = 0
-        self._thread = threading.Thread(target=self._run, name="ckpt-peer", daemon=True)
-        self._thread.start()
+        # local -> peer: every step in order, so that both ends of each swap stay paired (promoter.py)
+        self._promoter = Promoter("ckpt-peer", self._run, mode=ORDERED)
 
     # --- during training ---------------------------------------------------------------------------------------------
     def submit(self, step: int, step_dir: Path | None) -> None:
@@ -322,36 +318,26 @@ class PeerCopy:
         (every rank submits every step the policy saved, so the transfers stay paired)."""
         if self._failed is not None:
             return
-        self._queue.put((step, step_dir, time.monotonic()))
+        self._promoter.submit(step, (step_dir, time.monotonic()))
 
     def protected(self) -> set[int]:
         """The step being sent now (a queued one that retention removes meanwhile is sent as an error offer)."""
-        with self._lock:
-            return set(self._pending)
+        current = self._promoter.current
+        return {current} if current is not None else set()
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                step, step_dir, committed = item
-                if self._failed is None:
-                    with self._lock:
-                        self._pending = {step}
-                    if self._swap(step, step_dir):
-                        self.lags.append(time.monotonic() - committed)
-            except (OSError, CheckpointError) as e:  # this step only: both ends read the stream to its end
-                _log.warning(f"warning: peer copy of step {item[0]}: {e}; the next step is sent as usual",
-                             extra=EVERY_RANK)
-            except Exception as e:  # noqa: BLE001 - the link itself failed (a buddy died): the tiers go on without it
-                self._failed = str(e).splitlines()[0] if str(e) else type(e).__name__
-                _log.warning(f"warning: peer copy stopped at step {item[0]}: {self._failed}; the local and shared "
-                             "tiers go on without it", extra=EVERY_RANK)
-            finally:
-                with self._lock:
-                    self._pending = set()
-                self._queue.task_done()
+    def _run(self, step: int, job: tuple) -> None:
+        step_dir, committed = job
+        if self._failed is not None:
+            return
+        try:
+            if self._swap(step, step_dir):
+                self.lags.append(time.monotonic() - committed)
+        except (OSError, CheckpointError) as e:  # this step only: both ends read the stream to its end
+            _log.warning(f"warning: peer copy of step {step}: {e}; the next step is sent as usual", extra=EVERY_RANK)
+        except Exception as e:  # noqa: BLE001 - the link itself failed (a buddy died): the tiers go on without it
+            self._failed = str(e).splitlines()[0] if str(e) else type(e).__name__
+            _log.warning(f"warning: peer copy stopped at step {step}: {self._failed}; the local and shared "
+                         "tiers go on without it", extra=EVERY_RANK)
 
     def _swap(self, step: int, step_dir: Path | None) -> bool:
         """One step each way; True when this rank's part of it reached its buddy."""
@@ -383,11 +369,7 @@ class PeerCopy:
     def close(self, timeout_s: float = 120.0) -> None:
         """Wait for the copies in flight (every rank sends its last step too), at most ``timeout_s`` (a buddy that
         died never answers: its swap fails only at the group's timeout), then stop the thread."""
-        self._queue.put(None)
-        deadline = time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if self._queue.unfinished_tasks and self._failed is None:
+        if not self._promoter.close(timeout_s) and self._failed is None:
             _log.warning(f"warning: peer copy: the copies still in flight did not finish within {timeout_s:.0f}s; "
                          "the local tier holds them", extra=EVERY_RANK)
 
