@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from checkpoint import slurm
 from checkpoint.backends.base import RankInfo
-from warm import die_with_parent  # stdlib only: the rank side of a warm standby runs before torch is imported
+from procs import die_with_parent  # stdlib only
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 

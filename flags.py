@@ -27,11 +27,8 @@ from checkpoint.walltime import parse_walltime
 from dataset import DEFAULT_TOKENIZER
 from tokenizer import folder_tokenizer
 from model import ACTIVATION_CHECKPOINTING, PRESETS
+from badinput import BadInput  # noqa: F401 - raised here, and flags.BadInput is what callers catch
 import schedules
-
-class BadInput(Exception):
-    """A user mistake detected before training: one line, exit code 2."""
-
 
 def _signal_flag(text: str) -> str:
     try:

@@ -16,7 +16,7 @@ import torch
 from checkpoint import knobs
 from checkpoint.logs import EVERY_RANK
 from checkpoint.fsio import fsync_dir, make_dirs
-from warm import process_age
+from procs import process_age
 
 _log = logging.getLogger("pyrecover.metrics")
 
@@ -30,7 +30,7 @@ def started_at(t: float) -> None:
 
 
 def process_age_s(fallback_start: float) -> float:
-    """Seconds since this rank started: this process's age (warm.process_age), or since the rank process handed itself
+    """Seconds since this rank started: this process's age (procs.process_age), or since the rank process handed itself
     to a warm standby's child; without /proc, since ``fallback_start``."""
     if _STARTED_AT is not None:
         return time.monotonic() - _STARTED_AT

@@ -26,7 +26,7 @@ import struct
 import time
 from pathlib import Path
 
-from flags import BadInput
+from badinput import BadInput
 
 _log = logging.getLogger("pyrecover.trackers")
 

@@ -23,8 +23,8 @@ The rank process stays as the child's stand-in: it forwards the signals it gets 
 with the child's exit code. When the rank process dies (SIGKILL, or its torchrun died), the standby SIGKILLs the
 child, as the kernel would have killed the rank itself. The standby keeps serving: one per node serves every restart.
 
-This module imports nothing heavy at the top: the rank side runs before train.py's imports. For the same reason it
-holds the two process helpers that train.py's modules share with it (``process_age``, ``die_with_parent``).
+This module imports nothing heavy at the top: the rank side runs before train.py's imports (its process helpers,
+shared with train.py's modules, are in procs.py).
 """
 
 from __future__ import annotations
@@ -39,31 +39,10 @@ import struct
 import sys
 import time
 
+from procs import die_with_parent, process_age  # noqa: F401 - the rank side's helpers (stdlib only)
+
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 _REQUEST_MAX = 1 << 20
-
-
-def process_age() -> float | None:
-    """Seconds since this process started (Linux /proc), so the interpreter's start-up before our first line counts;
-    None where /proc cannot tell."""
-    try:
-        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
-            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
-            return float(uptime.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def die_with_parent(parent: int) -> str | None:
-    """Have the kernel SIGKILL this process when its parent dies (Linux PR_SET_PDEATHSIG); ``parent``: the parent's pid
-    as read earlier -- if it is gone already, this process ends now. Returns why the kernel refused, else None."""
-    import ctypes
-
-    if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
-        return os.strerror(ctypes.get_errno())
-    if os.getppid() != parent:  # it died before the signal was set: end as if it had fired
-        os.kill(os.getpid(), signal.SIGKILL)
-    return None
 
 
 # --- what defines a rank's process: the request ---------------------------------------------------------------------
