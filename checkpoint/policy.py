@@ -254,6 +254,8 @@ class Decision:
     stop: bool = False
     vote: int = NONE
     shared: bool = False  # the save goes to the shared tier too (with a local tier, not every one does)
+    peer: bool = False  # with a peer copy, the save is also kept on the next node: not the one a run stops or ends
+    # with, which the shared tier receives (a transfer then would only hold up the end)
 
     @property
     def reason(self) -> str:
@@ -327,7 +329,8 @@ class StepBoundary:
         save = (self.interval.due(step) or agreed >= INTERVAL) and agreed != FENCED
         # a save a vote asked for (a stop, the wall-clock interval) goes everywhere: it may be the last one
         shared = save and (agreed >= INTERVAL or self.interval.shared(step))
-        decision = Decision(save=save, stop=stop, vote=agreed, shared=shared)
+        peer = save and not stop and step != self.interval.final_step
+        decision = Decision(save=save, stop=stop, vote=agreed, shared=shared, peer=peer)
         if save and self.every_minutes is not None:
             self.every_minutes.reset()
         if stop and self.stopped is None:

@@ -371,7 +371,7 @@ class Session:
             if decision.save:
                 rushed = decision.vote not in (NONE, INTERVAL)
                 self.manager.save(step, self.state, meta=describe(rushed), shared=decision.shared,
-                                  peer=not (decision.stop or step == self.settings.when.final_step))
+                                  peer=decision.peer)
                 self._saved_at = step
         except run_lease.Fenced:
             pass  # a newer incarnation owns the run directory: the policy's next vote stops every rank, saving nothing
