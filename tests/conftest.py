@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections import OrderedDict
 import subprocess
 import tempfile
 
@@ -42,6 +43,24 @@ def pytest_report_header(config):
 
 
 BENCHMARK_SMOKES = ("test_bench_", "test_goodput", "test_gpu_check")
+# The groups that take longest, handed out first in this order (the others follow, the larger first): xdist orders
+# groups by their number of tests, which put the few long benchmark smokes last, where they ended the run alone.
+LONGEST_FIRST = ("tests/slurm", "tests/test_faults.py", "benchmark smokes", "tests/test_tiered.py", "tests/test_dcp.py",
+                 "tests/s3", "tests/test_powerloss.py")
+
+
+def _rank(scope: str) -> int:
+    return LONGEST_FIRST.index(scope) if scope in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
+class LongestFirst(OrderedDict):
+    """The scheduler's queue of groups (it takes them from the front): each group goes in behind those that rank
+    before it or alike, ahead of the rest."""
+
+    def __setitem__(self, scope, tests):
+        super().__setitem__(scope, tests)
+        for later in [s for s in self if _rank(s) > _rank(scope)]:
+            self.move_to_end(later)
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's; `make test` runs the suite on two workers
@@ -52,6 +71,10 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class ByModule(LoadScopeScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            self.workqueue = LongestFirst()
+
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             parts = path.split("/")
