@@ -66,15 +66,13 @@ def reference(corpus, tmp_path_factory) -> Path:
 
 
 def test_fault_injection_quick(corpus, tmp_path):
-    """One trial per configuration of 2 ranks (every registered backend, + --jit-checkpoint): random and named-point
-    SIGKILLs, resumes from `latest`; nothing lost, bit-exact finish. Trial 3 is an overlap: a frozen incarnation, a
-    refused second start, a --force-takeover one; the frozen one stops fenced. `make faults` runs 1 rank too (a
-    single process is killed and resumed bitwise in test_checkpoint.py as well)."""
+    """One trial per configuration (every registered backend x 1 and 2 ranks, + 2 ranks with --jit-checkpoint):
+    random and named-point SIGKILLs, resumes from `latest`; nothing lost, bit-exact finish. Trial 3 is an overlap:
+    a frozen incarnation, a refused second start, a --force-takeover one; the frozen one stops fenced."""
     from faults.harness import configurations, report, run_suite
 
-    trials = len(configurations(world_sizes=(2,)))
-    total, per_config, seconds = run_suite(trials, seed=1234, dataset=corpus, workdir=tmp_path, steps=5, max_kills=1,
-                                           world_sizes=(2,))
+    trials = len(configurations())
+    total, per_config, seconds = run_suite(trials, seed=1234, dataset=corpus, workdir=tmp_path, steps=5, max_kills=1)
     text = report(total, per_config, seconds, 1234, trials)
     print(text)
     assert total.trials == trials
