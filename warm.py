@@ -39,7 +39,7 @@ import struct
 import sys
 import time
 
-from procs import die_with_parent, process_age  # noqa: F401 - the rank side's helpers (stdlib only)
+from procs import die_with_parent, process_age  # the rank side's helpers (stdlib only)
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 _REQUEST_MAX = 1 << 20

@@ -39,21 +39,6 @@ RETRIES = 3  # attempts per step before it counts as failed (a newer step submit
 BACKOFF_S = 1.0  # first pause between attempts; doubles after each
 
 
-def refusal(checkpoint_dir: str, mirror_dir: str, experiment: str) -> str | None:
-    """Why ``--mirror-dir`` cannot be used with ``--checkpoint-dir``, in one line, or None."""
-    p_root, m_root = storage.as_path(checkpoint_dir) / experiment, storage.as_path(mirror_dir) / experiment
-    primary, mirror = storage.medium(p_root).location(p_root), storage.medium(m_root).location(m_root)
-    in_primary, in_mirror = storage.within(m_root, p_root), storage.within(p_root, m_root)
-    if in_primary and in_mirror:
-        alias = "" if primary == mirror else f" under another name (run folders {primary} and {mirror})"
-        return (f"--mirror-dir {mirror_dir} is the --checkpoint-dir itself{alias}; give the mirror another location "
-                "(e.g. the shared filesystem or s3://bucket/prefix)")
-    if in_primary or in_mirror:
-        return (f"--mirror-dir {mirror_dir} and --checkpoint-dir {checkpoint_dir} hold one another (run folders "
-                f"{primary} and {mirror}); give the mirror a separate location")
-    return None
-
-
 class Mirror:
     """Copies committed checkpoints of the primary ``CheckpointManager`` to ``root`` (rank 0 only).
 

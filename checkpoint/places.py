@@ -79,9 +79,7 @@ class Places:
         shared = Place(SHARED, shared_root, f"--checkpoint-dir {s.checkpoint_dir}")
         mirror = local = peer = None
         if s.mirror_dir:
-            from .mirror import refusal
-
-            if why := refusal(s.checkpoint_dir, s.mirror_dir, s.experiment):
+            if why := _mirror_refusal(s.checkpoint_dir, s.mirror_dir, s.experiment):
                 raise CheckpointError(why)
             mirror = Place(MIRROR, storage.as_path(s.mirror_dir) / s.experiment, f"--mirror-dir {s.mirror_dir}")
         if s.local_dir:
@@ -120,4 +118,19 @@ def _local_refusal(s: "Settings") -> str | None:
     local = Path(s.local_dir).resolve()
     if storage.medium(s.checkpoint_dir).filesystem and local == Path(s.checkpoint_dir).resolve():
         return "--local-checkpoint-dir must differ from --checkpoint-dir (the shared tier)"
+    return None
+
+
+def _mirror_refusal(checkpoint_dir: str, mirror_dir: str, experiment: str) -> str | None:
+    """Why ``--mirror-dir`` cannot be used with ``--checkpoint-dir``, in one line, or None."""
+    p_root, m_root = storage.as_path(checkpoint_dir) / experiment, storage.as_path(mirror_dir) / experiment
+    primary, mirror = storage.medium(p_root).location(p_root), storage.medium(m_root).location(m_root)
+    in_primary, in_mirror = storage.within(m_root, p_root), storage.within(p_root, m_root)
+    if in_primary and in_mirror:
+        alias = "" if primary == mirror else f" under another name (run folders {primary} and {mirror})"
+        return (f"--mirror-dir {mirror_dir} is the --checkpoint-dir itself{alias}; give the mirror another location "
+                "(e.g. the shared filesystem or s3://bucket/prefix)")
+    if in_primary or in_mirror:
+        return (f"--mirror-dir {mirror_dir} and --checkpoint-dir {checkpoint_dir} hold one another (run folders "
+                f"{primary} and {mirror}); give the mirror a separate location")
     return None

@@ -9,8 +9,9 @@ only which steps they take and what a failure means:
     newest    a step still waiting is replaced by a newer one (shared -> mirror: a mirror follows the newest and never
               falls behind). ``copy`` handles its own failures (retries, one warning); the promoter goes on.
 
-``copy(step, job)`` runs on the promoter's thread (a newest promoter's ``copy`` must not raise); whatever it copies it copies by the commit protocol of its
-destination (files checked against the source's manifest, part records, manifest, COMMITTED last). The promoter only
+``copy(step, job)`` runs on the promoter's thread (a newest promoter's ``copy`` must not raise); whatever it copies it
+copies by the commit protocol of its destination (files checked against the source's manifest, part records,
+manifest, COMMITTED last). The promoter only
 decides what runs when, so the protected set that a place's retention must spare is always the promoter's own.
 """
 

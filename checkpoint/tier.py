@@ -47,7 +47,7 @@ from .backends.torchfile import load_pieces, rank_file
 from .errors import CheckpointError
 from .fsio import MiB, is_disk_full, make_dirs
 from .logs import EVERY_RANK
-from .places import rank_dir_name, run_folder_name, tier_root  # noqa: F401 (the tier's folder names, for callers)
+from .places import rank_dir_name, tier_root  # noqa: F401 - tier_root: the tier's folder, for callers
 from .promoter import ORDERED, Promoter
 from .reader import flatten
 from .state import CheckpointState, OptimizerState
