@@ -14,6 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Protocol
 
 from . import layout, storage
 from .backends import JIT_FORMAT, Backend, RankInfo, backend_class, loader_for
@@ -22,9 +23,7 @@ from .errors import CheckpointError
 from .fsio import MiB, is_disk_full
 from .lease import Fenced, Lease
 from .mirror import Mirror
-from .peer import PeerCopy
 from .state import CheckpointState
-from .tier import FORKS, Drainer, LocalTier, everywhere, part_bytes, read_forks, record_resume
 
 _log = logging.getLogger(__name__)
 
@@ -68,9 +67,8 @@ class CheckpointManager:
         retention: layout.Retention = layout.Retention(),
         commit_timeout_s: float = 1800.0,
         lease: Lease | None = None,
-        mirror: Mirror | None = None,
-        tier: LocalTier | None = None,
-        peer: PeerCopy | None = None,
+        first: FirstPlace | None = None,
+        copies: list[Mirror] = (),
     ):
         self.root = storage.as_path(root)  # a local Path or an s3:// S3Path
         self._writing = layout.writing(self.root)  # staged and published by rename, or in place
@@ -81,12 +79,13 @@ class CheckpointManager:
         self.retention = retention
         self.commit_timeout_s = commit_timeout_s
         self.lease = lease  # one writer per run directory: None on object storage (no exclusive create there)
-        self.mirror = mirror  # --mirror-dir, rank 0: committed checkpoints copied to a second location
-        if mirror is not None:
-            mirror.guard = self._guard
-        self.tier = tier  # --local-checkpoint-dir: every save lands there first; some are drained here (tier.py)
-        self._drainer = Drainer(tier, self._land, self._drain_failed) if tier is not None else None
-        self.peer = peer  # --peer-checkpoint: every local step is also kept on the next node (peer.py)
+        # Where every save lands first: the run folder itself, or the node-local places (nodelocal.py), which carry
+        # it on to the run folder. ``copies``: where committed steps of the run folder are copied (rank 0: the mirror).
+        self.first = first if first is not None else RunFolder()
+        self.first.attach(self)
+        self.copies = list(copies)
+        for copy in self.copies:
+            copy.guard = self._guard
         self._fenced_logged = False
         self.in_flight: deque[SaveHandle] = deque()
         self.history: list[SaveRecord] = []
@@ -98,66 +97,13 @@ class CheckpointManager:
              peer: bool = True) -> SaveHandle:
         """Start saving ``state`` as ``step``. Returns once the state is captured; the backend decides whether the bytes
         land before (vanilla) or after (async backends) this returns. Raises errors of earlier background saves.
-        ``meta``: what rank 0 records in the manifest (the checkpoint's card). With a local tier the save lands there
-        first; ``shared``: it is then drained to the shared tier in the background (else it stays local only);
-        ``peer``: with a peer copy, it is also sent to the next node (not needed for the save a run ends with: the
-        shared tier has it)."""
+        ``meta``: what rank 0 records in the manifest (the checkpoint's card). The save lands in the first place
+        (``self.first``); with node-local places, ``shared``: it is then drained to the shared tier in the background
+        (else it stays local only); ``peer``: with a peer copy, it is also sent to the next node (not needed for the
+        save a run ends with: the shared tier has it)."""
         self._reap(block_until_below=self.backend.max_in_flight)
         t0 = time.perf_counter()
-        tier = self.tier
-        if tier is not None and shared:
-            self._drainer.wait()  # one drain at a time: a shared tier slower than its interval stalls, never piles up
-        step_dir = self._writing.save_dir(self.root, self.run_id, step) if shared else None
-        if step_dir is not None:
-            self._prepare_everywhere(step, step_dir)
-        local_dir = None  # the local tier's staging folder, once it exists (only that one is the tier's to discard)
-        to_peer = self.peer is not None and peer
-        try:
-            if tier is not None:  # fenced: the local publish refuses (its guard), as the shared commit does
-                local_dir = tier.save_dir(self.run_id, step)
-                tier.check_space(lambda: part_bytes(state, tier.writes_shared))
-            # in the local tier the node leader writes the shared pieces, and retired local files are overwritten
-            payload = (self.backend.save(local_dir, state, shared=tier.writes_shared, spares=tier.spares)
-                       if tier is not None else self.backend.save(step_dir, state))
-        except (OSError, CheckpointError) as e:
-            if to_peer:
-                self.peer.submit(step, None)  # the buddy, which saved this step, hears it will not come
-            raise self._save_failed(step, step_dir, e, local=local_dir, in_tier=tier is not None) from None
-        record = SaveRecord(step, blocking_s=time.perf_counter() - t0)
-
-        def finish() -> None:
-            try:
-                files = payload.wait()
-                if tier is None:
-                    self._land(step, step_dir, files, meta=meta, record=record, t0=t0)
-                    return
-                published = tier.commit(local_dir, step, files, backend=self.backend.name, run_id=self.run_id,
-                                         meta=meta or {}, guard=self._guard)
-            except (OSError, CheckpointError) as e:
-                if to_peer:
-                    self.peer.submit(step, None)
-                error = self._save_failed(step, step_dir, e, local=local_dir, in_tier=tier is not None)
-                if isinstance(error, Fenced):  # e.g. the new owner swept our staging folder mid-write
-                    self._note_fenced(error)
-                    return
-                raise error from None
-            record.bytes = sum(r["size"] for r in files.values())
-            record.durable_s = time.perf_counter() - t0
-            if self.rank.is_main:
-                _log.info(f"checkpoint step {step} committed in the local tier: {record.bytes / MiB:.1f} MiB, blocked "
-                          f"{record.blocking_s:.2f}s, durable after {record.durable_s:.2f}s"
-                          + ("; draining to the shared tier" if step_dir is not None else ""))
-            if step_dir is not None:
-                self._drainer.submit(step, step_dir, meta=meta, record=record, t0=t0)
-            if to_peer:
-                self.peer.submit(step, published)
-            try:
-                tier.retain(self._drainer.protected() | {h.step for h in list(self.in_flight) if h.step != step}
-                            | (self.peer.protected() if self.peer is not None else set()),
-                            self._guard, own_staging=local_dir.parent.name)
-            except Fenced as e:
-                self._note_fenced(e)
-
+        payload, finish, record = self.first.save(step, state, meta, t0=t0, shared=shared, peer=peer)
         if payload.done():  # it may also have failed already (a writer that failed at once): raised here, then
             try:
                 finish()
@@ -172,14 +118,13 @@ class CheckpointManager:
         return handle
 
     def _land(self, step: int, step_dir: Path, files: dict[str, dict], *, meta: dict | None, record: SaveRecord,
-              t0: float) -> None:
-        """This rank's files of ``step`` are durable in ``step_dir`` (the shared tier): its part record; rank 0 then
-        waits for every rank's, commits, publishes, hands the checkpoint to the mirror and applies retention. Runs in
-        the thread that wrote them (the save's, or the local tier's drainer)."""
+              t0: float, landed: Callable[[SaveRecord, float], None]) -> None:
+        """This rank's files of ``step`` are durable in ``step_dir`` (the run folder's staging): its part record; rank 0
+        then waits for every rank's, commits, publishes, hands the checkpoint to the copies (the mirror) and applies
+        retention. ``landed(record, t0)`` once committed. Runs in the thread that wrote them (the save's, or the local
+        tier's drainer)."""
         try:
             layout.write_part_record(step_dir, self.rank.rank, files, run_id=self.run_id)
-            if self.tier is None:
-                record.bytes = sum(r["size"] for r in files.values())
             if self.rank.is_main:
                 parts = layout.wait_for_part_records(step_dir, self.rank.world_size, self.commit_timeout_s,
                                                      self.run_id, guard=self._guard)
@@ -193,23 +138,14 @@ class CheckpointManager:
                 self._note_fenced(error)
                 return
             raise error from None
-        if self.tier is None:
-            record.durable_s = time.perf_counter() - t0
-            self._log_save(record)
-        else:
-            record.shared_s = time.perf_counter() - t0
-            if self.rank.is_main:
-                _log.info(f"checkpoint step {step} committed in the shared tier {self.root}, drained from the local "
-                          f"tier ({record.shared_s:.2f}s after the save began)")
+        landed(record, t0)
         if self.rank.is_main:
             # list(): a C-level copy, atomic under the GIL; iterating the deque itself from this background thread
             # races with the training thread appending/reaping ("deque mutated during iteration").
-            in_flight = {h.step for h in list(self.in_flight) if h.step != step}
-            if self._drainer is not None:
-                in_flight |= self._drainer.protected() - {step}
-            if self.mirror is not None:  # before retention, which must keep what the mirror will still read
-                self.mirror.submit(step, published, record)
-                in_flight |= self.mirror.protected()
+            in_flight = {h.step for h in list(self.in_flight) if h.step != step} | (self.first.protected() - {step})
+            for copy in self.copies:  # before retention, which must keep what a copy will still read
+                copy.submit(step, published, record)
+                in_flight |= copy.protected()
             try:
                 self.retention.apply(self.root, in_flight=in_flight, guard=self._guard,
                                      own_staging=step_dir.parent.name)
@@ -273,23 +209,23 @@ class CheckpointManager:
         self._writing.prepare(step_dir)
 
     def _save_failed(self, step: int, step_dir: Path | None, e: OSError | CheckpointError, *,
-                     local: Path | None = None, in_tier: bool = False) -> CheckpointError:
+                     cleanup: Callable[[], object] | None = None, where: tuple = ()) -> CheckpointError:
         """Clean up after a failed save; the one-line error to raise (Fenced if a newer incarnation took over: then the
         failure is a consequence of that, and nothing is cleaned up -- the run directory is no longer ours).
-        ``in_tier``: the save failed in the local tier, ``local`` its staging folder if it got that far (``step_dir``:
-        the shared tier's, if the step was to be drained, where the other ranks must learn that this part will not
-        come)."""
+        ``cleanup``: the first place's own (a node-local staging folder); ``step_dir``: the run folder's staging
+        folder, if the step was to land there, where the other ranks must learn that this part will not come;
+        ``where``: (folder, flag) a failed write names, when not the run folder."""
         if isinstance(e, Fenced):
             return e
         if self.fenced:
             return Fenced(self.lease.fenced_message)
-        if local is not None:
-            self.tier.discard(local)
+        if cleanup is not None:
+            cleanup()
         if step_dir is not None:
             self._abandon(step_dir, e)
         if not isinstance(e, OSError):
             return e
-        return self._io_error(step, e, *((self.tier.root.parent.parent, "--local-checkpoint-dir") if in_tier else ()))
+        return self._io_error(step, e, *where)
 
     def _drain_failed(self, step_dir: Path, e: OSError | CheckpointError) -> None:
         """This rank's copy from the local tier failed: the shared tier's folder is abandoned, unless the run directory
@@ -370,15 +306,13 @@ class CheckpointManager:
     def poll(self) -> None:
         """Surface background errors at a step boundary without blocking."""
         self._reap(block_until_below=1 << 30)
-        if self._drainer is not None:
-            self._drainer.poll()
+        self.first.poll()
 
     def wait(self) -> None:
         """Block until every save in flight is committed (and drained to the shared tier, if it was to be); re-raise
         the first error."""
         self._reap(block_until_below=1)
-        if self._drainer is not None:
-            self._drainer.wait()
+        self.first.wait()
 
     def _log_save(self, r: SaveRecord) -> None:
         rate = r.bytes / MiB / r.durable_s if r.durable_s > 0 else 0.0
@@ -412,11 +346,12 @@ class CheckpointManager:
         return result
 
     def load(self, spec: str, state: CheckpointState) -> int | None:
-        """Restore ``state`` from `latest` (``_latest``), a step number or a path. Returns the step, or None if
-        `latest` found none."""
+        """Restore ``state`` from `latest`, a step number or a path. Returns the step, or None if `latest` found none.
+        `latest` is the newest step every rank can load from its nearest place: the first place chooses it (the run
+        folder: ``resolve``; the node-local places: NodeLocal.latest, which resolves the run folder's the same way)."""
         t0 = time.perf_counter()
         if spec == "latest":
-            return self._latest(state, t0)
+            return self.first.latest(state, t0)
         info = self.resolve(spec)
         if info is None:
             return None
@@ -434,120 +369,17 @@ class CheckpointManager:
         finally:
             info.verified.clear()  # what the load did not take is not held for the rest of the run
 
-    def _latest(self, state: CheckpointState, t0: float) -> int | None:
-        """`latest`, for every place: the newest step every rank can load from its nearest place. Without node-local
-        places that is the whole-step places' `latest` (``resolve``). With them, the newest step that every rank holds
-        locally (in its node's tier, or restored from a peer's copy) wins if the shared tier has nothing newer
-        committed; otherwise the shared tier's `latest`, which each rank still loads from its local tier if it holds
-        that step. Only the chosen step is verified: a local copy that fails is removed, and the choice is
-        made again without it. When the shared tier holds the chosen step, a local copy must also match its manifest
-        (LocalTier.usable), else that rank loads the shared copy. A step restored only from local tiers is then
-        drained to the shared tier, so losing a node right after loses nothing."""
-        if self.tier is None:
-            info = self.resolve("latest")
-            if info is None:
-                return None
-            self._load_shared(info, state)
-            self._loaded(info, t0)
-            return info.step
-        # the run's resumes, from its folder: a local part of a line the run has left is no candidate
-        forks = self.rank.from_main(read_forks(self.root / FORKS, self.tier.identity["lineage"])
-                                    if self.rank.is_main and self.lease is not None else [])
-        local = self.tier.committed(forks)
-        newest_shared = self.rank.from_main(max((i.step for r in self._roots() for i in layout.list_checkpoints(r)
-                                                 if i.committed), default=None) if self.rank.is_main else None)
-        shared: list = []  # the shared tier's `latest`, resolved (and verified on rank 0) at most once
-        peers: list[int] = []  # ranks whose part came from a copy on another node (peer.py)
-        if self.peer is not None:
-            floor = max((s for s in (everywhere(local, self.rank.gather), newest_shared) if s is not None), default=None)
-            peers = self.peer.restore(local, floor, forks)
-        while True:
-            best_local = everywhere(local, self.rank.gather)
-            info = None
-            if newest_shared is not None and (best_local is None or newest_shared > best_local):
-                shared = shared or [self.resolve("latest")]  # perhaps an older one; the same answer everywhere
-                info = shared[0]
-            if info is not None and (best_local is None or info.step >= best_local):
-                step = info.step  # from the shared tier, but a rank holding it locally loads that copy
-            elif best_local is not None:
-                step, info = best_local, None
-            else:
-                return None
-            mine = local.get(step)
-            found = (info.path, info.manifest) if info is not None else self._shared_manifest(step)
-            if mine is not None and not self.tier.usable(mine, found[1] if found is not None else None, self._ahead):
-                del local[step]
-                mine = None
-            everyone = all(self.rank.gather(mine is not None))
-            if not everyone and info is None and found is not None:  # a local copy refused: the shared one, verified
-                try:
-                    info = self.resolve(str(found[0]))
-                except CheckpointError:
-                    pass  # no copy of this step: choose again, where the shared `latest` names what is wrong with it
-            # a rank without the step loads the shared copy; without one, every rank must hold it (else choose again)
-            if info is not None or everyone:
-                break
-        if mine is not None:
-            self.tier.load(mine, state)
-        else:
-            self._load_shared(info, state)
-        here = self.rank.gather(mine is not None)
-        from_peer = sum(1 for r in peers if here[r])
-        # What was loaded, as rank 0 sees it, on every rank (its card: the resume checks agree across ranks)
-        self._loaded(self.rank.from_main(mine or info), t0, tier=f"{sum(here)} of {len(here)} ranks from their local "
-                     "tier" + (f" ({from_peer} from a peer copy)" if from_peer else "")
-                     + (f", {len(here) - sum(here)} from the shared tier" if not all(here) else ""))
-        for held in [info] + list(local.values()):
-            if held is not None:
-                held.verified.clear()  # what the load did not take is not held for the rest of the run
-        if info is None:
-            self._drain_restored(step, self.loaded.manifest.get("meta", {}))
-        return step
-
-    def _shared_manifest(self, step: int) -> tuple | None:
-        """(folder, manifest) of ``step`` in the shared tier (the run folder, else the mirror's), read by rank 0, the
-        same on every rank; None where neither holds it committed. Its payload is not read: a local copy that matches
-        its records is the run's bytes (LocalTier.usable)."""
-        found, unreadable = None, []
-        if self.rank.is_main:
-            for root in self._roots():
-                step_dir = storage.as_path(root) / layout.step_dir_name(step)
-                try:
-                    if storage.is_link(step_dir) or not (step_dir / layout.COMMITTED).exists():
-                        continue  # a linked step folder is never read (list_checkpoints)
-                    found = (step_dir, layout.read_manifest(step_dir))
-                    break
-                except CheckpointError as e:
-                    unreadable.append(str(e))
-                except OSError as e:  # e.g. an object store that does not answer
-                    unreadable.append(f"{step_dir}: {e.strerror or e}")
-            if found is None and unreadable:
-                _log.warning(f"warning: cannot read the shared tier's manifest of step {step} ({unreadable[0]}); the "
-                             f"local copies of step {step} are checked against their own manifests only")
-        return self.rank.from_main(found)
-
-    def _drain_restored(self, step: int, meta: dict) -> None:
-        """A step restored from the local tiers alone goes to the shared tier now (in the background), unless it is
-        there already."""
-        there = self.rank.from_main((self.root / layout.step_dir_name(step) / layout.COMMITTED).exists()
-                                    if self.rank.is_main else None)
-        if there:
-            return
-        step_dir = self._writing.save_dir(self.root, self.run_id, step)
-        self._prepare_everywhere(step, step_dir)
-        meta = {k: v for k, v in meta.items() if k != "tier"}
-        self._drainer.submit(step, step_dir, meta=meta, record=SaveRecord(step, 0.0), t0=time.perf_counter())
-
     def _roots(self) -> list:
-        return [self.root] + ([self.mirror.root] if self.mirror is not None else [])
+        """The places that hold whole steps, where `latest` is looked for: the run folder, then its copies."""
+        return [self.root] + [copy.root for copy in self.copies]
 
-    def _loaded(self, info: layout.CheckpointInfo, t0: float, tier: str = "") -> None:
+    def _loaded(self, info: layout.CheckpointInfo, t0: float, source: str = "") -> None:
         self.load_seconds = time.perf_counter() - t0
         self.loaded = info
         size = info.size_bytes
         _log.info(
             f"resumed from {info.path} (step {info.step}, {info.manifest['backend']} backend"
-            + (f"; {tier}" if tier else "")
+            + (f"; {source}" if source else "")
             + f", {size / MiB:.1f} MiB in {self.load_seconds:.3f}s, {size / MiB / max(self.load_seconds, 1e-9):.0f} MiB/s)"
         )
 
@@ -561,21 +393,15 @@ class CheckpointManager:
             if (line := storage.medium(self.root).describe(self.root)) is not None:
                 _log.info(line)
             self._writing.recover(self.root, self._staging.name, self._guard, label="run directory", mine=False)
-        if self.mirror is not None:
-            self.mirror.recover()
-        if self.tier is not None:
-            self.tier.recover(self._staging.name)
-            if not spec:
-                self.tier.clear()  # a fresh start: nothing local belongs to it
-                if self.peer is not None:
-                    self.peer.clear()
+        for copy in self.copies:
+            copy.recover()
+        self.first.recover(self._staging.name, fresh=not spec)
         self._ahead = ahead
         try:
             step = self.load(spec, state) if spec else None
         finally:
             self._ahead = None
-        if self.tier is not None:  # pre-flight: the local tier holds what is known of the state now
-            self.tier.check_space(lambda: part_bytes(state, self.tier.writes_shared), first_save=False)
+        self.first.check_space(state)
         return step
 
     def follow(self, step: int | None, *, keep_files: tuple[str, ...] = ()) -> None:
@@ -587,18 +413,13 @@ class CheckpointManager:
             except OSError as e:
                 raise CheckpointError(f"cannot move the abandoned line's checkpoints aside under {self.root}: "
                                       f"{e.strerror or e}") from None
-        if self.tier is not None:
-            self.tier.retire_newer(step or 0)
-            if self.rank.is_main and self.lease is not None:  # the local parts on nodes this job does not reach
-                try:
-                    record_resume(self.root, self.tier.identity["lineage"], self.lease.generation, step or 0)
-                except OSError as e:
-                    raise CheckpointError(f"cannot record the resume in {self.root / FORKS}: {e.strerror or e}") \
-                        from None
-        if self.peer is not None:
-            self.peer.retire_newer(step or 0)
-        if self.mirror is not None:
-            self.mirror.start(step or 0, self.root)
+        self.first.follow(step or 0)
+        for copy in self.copies:
+            copy.start(step or 0, self.root)
+
+    def finished(self) -> None:
+        """The run ended with its final step committed here: the nearer places' copies have done their job."""
+        self.first.finished()
 
     # --- summary -------------------------------------------------------------------------------------------------
     def summary(self, run_seconds: float) -> str:
@@ -608,8 +429,7 @@ class CheckpointManager:
         return (
             f"checkpointing: {len(self.history)} saves, {total_bytes / MiB:.1f} MiB, training blocked {blocked:.2f}s "
             f"({pct:.1f}% of {run_seconds:.1f}s), load {self.load_seconds:.2f}s"
-        ) + (f"\n{self.mirror.summary()}" if self.mirror is not None else "") + (
-            f"\n{self.peer.summary()}" if self.peer is not None else "")
+        ) + "".join(f"\n{line}" for line in [c.summary() for c in self.copies] + [self.first.summary()] if line)
 
     def close(self) -> None:
         """Wait for every save in flight (re-raising the first error), then release the backend's resources -- those
@@ -617,12 +437,99 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            if self._drainer is not None:
-                self._drainer.close()
-            if self.peer is not None:  # the last local step reaches the buddy too (bounded wait)
-                self.peer.close()
-            if self.mirror is not None:  # the final checkpoint reaches the mirror before a clean exit (bounded wait)
-                self.mirror.close()
+            self.first.close()
+            for copy in self.copies:  # the final checkpoint reaches the mirror before a clean exit (bounded wait)
+                copy.close()
             self.backend.close()
             if self.rank.is_main:
                 self._writing.close(self.root, self._staging.name)
+
+
+class FirstPlace(Protocol):
+    """Where a save lands first, and what the manager asks of it (the run folder: RunFolder; the node-local places:
+    nodelocal.NodeLocal)."""
+
+    def attach(self, manager: CheckpointManager) -> None: ...
+    def save(self, step: int, state: CheckpointState, meta: dict | None, *, t0: float, shared: bool, peer: bool
+             ) -> tuple: ...
+    def latest(self, state: CheckpointState, t0: float) -> int | None: ...
+    def protected(self) -> set[int]: ...
+    def recover(self, own_staging: str, *, fresh: bool) -> None: ...
+    def check_space(self, state: CheckpointState) -> None: ...
+    def follow(self, step: int) -> None: ...
+    def poll(self) -> None: ...
+    def wait(self) -> None: ...
+    def close(self) -> None: ...
+    def finished(self) -> None: ...
+    def summary(self) -> str: ...
+
+
+class RunFolder:
+    """The run folder as the first place: every rank writes its part of a save into the step's staging folder there,
+    and rank 0 commits it (CheckpointManager._land). `latest` is the whole-step places' (``resolve``)."""
+
+    def attach(self, manager: CheckpointManager) -> None:
+        self.m = manager
+
+    def save(self, step: int, state: CheckpointState, meta: dict | None, *, t0: float, shared: bool, peer: bool):
+        m = self.m
+        step_dir = m._writing.save_dir(m.root, m.run_id, step)
+        m._prepare_everywhere(step, step_dir)
+        try:
+            payload = m.backend.save(step_dir, state)
+        except (OSError, CheckpointError) as e:
+            raise m._save_failed(step, step_dir, e) from None
+        record = SaveRecord(step, blocking_s=time.perf_counter() - t0)
+
+        def finish() -> None:
+            try:
+                files = payload.wait()
+                record.bytes = sum(r["size"] for r in files.values())  # rank 0: every part's, once committed
+                m._land(step, step_dir, files, meta=meta, record=record, t0=t0, landed=self._landed)
+            except (OSError, CheckpointError) as e:
+                error = m._save_failed(step, step_dir, e)
+                if isinstance(error, Fenced):  # e.g. the new owner swept our staging folder mid-write
+                    m._note_fenced(error)
+                    return
+                raise error from None
+
+        return payload, finish, record
+
+    def _landed(self, record: SaveRecord, t0: float) -> None:
+        record.durable_s = time.perf_counter() - t0
+        self.m._log_save(record)
+
+    def latest(self, state: CheckpointState, t0: float) -> int | None:
+        info = self.m.resolve("latest")
+        if info is None:
+            return None
+        self.m._load_shared(info, state)
+        self.m._loaded(info, t0)
+        return info.step
+
+    def protected(self) -> set[int]:
+        return set()
+
+    def recover(self, own_staging: str, *, fresh: bool) -> None:
+        pass  # the manager sweeps the run folder itself
+
+    def check_space(self, state: CheckpointState) -> None:
+        pass
+
+    def follow(self, step: int) -> None:
+        pass
+
+    def poll(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def finished(self) -> None:
+        pass
+
+    def summary(self) -> str:
+        return ""

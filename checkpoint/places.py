@@ -20,7 +20,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from . import storage
 from .errors import CheckpointError
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .session import Settings
 
 LOCAL, PEER, SHARED, MIRROR = "local", "peer", "shared", "mirror"
+T = TypeVar("T")
 PEER_DIR = "peer"
 
 
@@ -98,6 +99,16 @@ class Places:
     def ordered(self) -> list[Place]:
         """Nearest first."""
         return [p for p in (self.local, self.peer, self.shared, self.mirror) if p is not None]
+
+    def first(self, *, node_local: Callable[[], T], run_folder: Callable[[], T]) -> T:
+        """The machinery of the place every save lands in first: ``node_local()`` where the run has node-local
+        places (which carry each step on to the run folder), else ``run_folder()``."""
+        return node_local() if self.local is not None else run_folder()
+
+    @property
+    def copies(self) -> list[Place]:
+        """The places that receive copies of the run folder's committed steps (rank 0 copies them): the mirror."""
+        return self.whole_steps[1:]
 
     @property
     def whole_steps(self) -> list[Place]:

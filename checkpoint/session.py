@@ -31,8 +31,9 @@ from .backends import RankInfo, check_combination, make_backend
 from .backends.torchfile import rank_file
 from .errors import CheckpointError
 from .jit import JustInTime, NoJIT
-from .manager import CheckpointManager, SaveRecord
+from .manager import CheckpointManager, RunFolder, SaveRecord
 from .mirror import Mirror
+from .nodelocal import NodeLocal
 from .peer import Link, PeerCopy, buddies
 from .places import Places
 from .policy import FINISHED, INTERVAL, NONE, SignalWatcher, When, step_boundary
@@ -291,19 +292,18 @@ class Session:
         if self.lease is not None and main:
             self.lease.start_heartbeat()
         retention = layout.Retention(s.keep, s.keep_every, s.keep_best)
-        mirror = None
-        if self.places.mirror is not None and main:
-            mirror = Mirror(self.places.mirror.root, run_id=run_id[0], every=s.mirror_every,
-                            timeout_s=s.mirror_timeout_s, retention=retention if s.mirror_keep is None else
-                            replace(retention, keep=s.mirror_keep))
-        tier, peer = (self._local_tier(lineage=run_id[2], run_id=run_id[0], generation=run_id[1])
-                      if self.places.local is not None else (None, None))
+        # The places' machinery: where saves land first, and the copies of the run folder's steps (rank 0's)
+        first = self.places.first(node_local=lambda: NodeLocal(*self._node_local(run_id[2], run_id[0], run_id[1])),
+                                  run_folder=RunFolder)
+        copies = [Mirror(place.root, run_id=run_id[0], every=s.mirror_every, timeout_s=s.mirror_timeout_s,
+                         retention=retention if s.mirror_keep is None else replace(retention, keep=s.mirror_keep))
+                  for place in self.places.copies] if main else []
         self.manager = CheckpointManager(self.root, self.backend, self.rank, run_id=run_id[0], retention=retention,
-                                         lease=self.lease, mirror=mirror, tier=tier, peer=peer)
+                                         lease=self.lease, first=first, copies=copies)
         self.state = state
         return self.manager.open(spec, state, ahead)
 
-    def _local_tier(self, lineage: str, run_id: str, generation: int) -> tuple[LocalTier, PeerCopy | None]:
+    def _node_local(self, lineage: str, run_id: str, generation: int) -> tuple[LocalTier, PeerCopy | None]:
         """This rank's folder in its node's local tier, and with ``peer`` its side of the peer copy. The node's first
         rank (by the host names every rank reports) is its leader: it writes the shared pieces there, once per node."""
         s = self.settings
@@ -419,10 +419,8 @@ class Session:
         """After ``close``: requeue if the policy says so (rank 0). The outcome, the same on every rank
         (policy.FINISHED, REQUEUED, STOPPED or REQUEUE_FAILED)."""
         outcome = self.policy.finish(step, self.settings.when.final_step)
-        if outcome == FINISHED and self.manager.tier is not None:
-            self.manager.tier.clear()  # the final step is in the shared tier: the local copies have done their job
-            if self.manager.peer is not None:
-                self.manager.peer.clear()
+        if outcome == FINISHED:
+            self.manager.finished()  # the final step is in the shared tier: the local copies have done their job
         return outcome
 
     # --- what happened ---------------------------------------------------------------------------------------------
