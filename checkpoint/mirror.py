@@ -15,7 +15,7 @@ it: one warning when the mirror starts failing, retries, one line when it recove
 
 A SIGKILL mid-copy leaves a staging folder (local: swept by the next start, ``recover``) or an uncommitted folder (s3:
 swept by the next start): never a committed partial checkpoint. `latest` looks in both
-locations (``CheckpointManager._latest``, the one resolver of every place); the newest valid checkpoint wins, the
+locations (``CheckpointManager.resolve``, the one resolver of the whole-step places); the newest valid checkpoint wins, the
 primary on a tie.
 """
 
