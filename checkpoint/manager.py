@@ -133,11 +133,8 @@ class CheckpointManager:
                 published = self._writing.publish(step_dir, self.root, step, guard=self._guard, tag=self.run_id)
                 record.bytes = sum(r["size"] for p in parts for r in p["files"].values())
         except (OSError, CheckpointError) as e:
-            error = self._save_failed(step, step_dir, e)
-            if isinstance(error, Fenced):  # e.g. the new owner swept our staging folder mid-write
-                self._note_fenced(error)
-                return
-            raise error from None
+            self._fail(self._save_failed(step, step_dir, e))
+            return
         landed(record, t0)
         if self.rank.is_main:
             # list(): a C-level copy, atomic under the GIL; iterating the deque itself from this background thread
@@ -179,6 +176,13 @@ class CheckpointManager:
         """Raise Fenced if a newer incarnation owns the run directory (checked before every change to it)."""
         if self.lease is not None:
             self.lease.check(what)
+
+    def _fail(self, error: CheckpointError) -> None:
+        """Raise the error of a failed save, unless it is Fenced: then the save is dropped (noted once)."""
+        if isinstance(error, Fenced):  # e.g. the new owner swept our staging folder mid-write
+            self._note_fenced(error)
+            return
+        raise error from None
 
     def _note_fenced(self, e: Fenced) -> None:
         """A fenced save is not an error of this run: it is dropped (its staging folder is the new owner's to sweep),
@@ -487,11 +491,7 @@ class RunFolder:
                 record.bytes = sum(r["size"] for r in files.values())  # rank 0: every part's, once committed
                 m._land(step, step_dir, files, meta=meta, record=record, t0=t0, landed=self._landed)
             except (OSError, CheckpointError) as e:
-                error = m._save_failed(step, step_dir, e)
-                if isinstance(error, Fenced):  # e.g. the new owner swept our staging folder mid-write
-                    m._note_fenced(error)
-                    return
-                raise error from None
+                m._fail(m._save_failed(step, step_dir, e))
 
         return payload, finish, record
 

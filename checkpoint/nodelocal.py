@@ -77,11 +77,8 @@ class NodeLocal:
                 published = tier.commit(local_dir, step, files, backend=m.backend.name, run_id=m.run_id,
                                          meta=meta or {}, guard=m._guard)
             except (OSError, CheckpointError) as e:
-                error = failed(e)
-                if isinstance(error, Fenced):  # e.g. the new owner swept our staging folder mid-write
-                    m._note_fenced(error)
-                    return
-                raise error from None
+                m._fail(failed(e))
+                return
             record.bytes = sum(r["size"] for r in files.values())
             record.durable_s = time.perf_counter() - t0
             if m.rank.is_main:
