@@ -374,9 +374,15 @@ def _check_time_limit(r: dict, reference: Path) -> str:
     # the rendezvous comes from the node list: the master is the first node, reached from the second over TCP
     assert re.search(r"job \d+: 2 ranks on 2 node\(s\), master pyr-node1:\d+", out), out[:2000]
     first, second = out.split("requeued run (SLURM_RESTART_COUNT=1): resuming from latest", 1)
-    for rank in range(2):  # both nodes' ranks log into the one job output
+    for rank in range(2):  # SLURM's warning (no B:) reached both nodes' ranks (maybe after the others agreed)
         assert re.search(rf"rank {rank}: (also )?received SIGUSR1", first), first[-4000:]
-    step = assert_same_step_on_all_ranks(stop_steps(first), first)
+    stops = stop_steps(first)
+    step = assert_same_step_on_all_ranks(stops, first)
+    assert {why for _, _, why in stops} <= {"received SIGUSR1", "another rank received a stop signal"}, stops
+    assert "received SIGUSR1" in {why for _, _, why in stops}, stops
+    assert re.search(rf"stopped at step {step} of {STEPS}, checkpoint committed; requeued job {job.id} "
+                     r"\(restart 1 of at most \d+\)", first), first[-3000:]
+    assert not stop_steps(second)  # the rerun (its limit raised) is not warned again
     assert re.search(r"job \d+: 2 ranks on 2 node\(s\), master pyr-node1:\d+", second), second[:2000]
     assert_resumed_and_finished(job, out, step, reference, runs=2)
     return out
