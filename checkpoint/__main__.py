@@ -33,6 +33,7 @@ from .fsio import MiB
 from .convert import FORMATS
 from .places import PEER_DIR, tier_root  # <tier>/peer/rank-N/step-M: the copies this node holds of rank N's parts
 from .reader import check_each, read_section, targets as _targets
+from .retention import best_steps, eval_loss
 
 
 def _card(info: layout.CheckpointInfo) -> dict:
@@ -120,7 +121,7 @@ def cmd_list(path, local: Path | None = None, mirror=None) -> int:
     latest = max((i.step for i in full), default=None)  # as resolve_latest over both: the newest that verifies
     # The --keep-best checkpoints (as the newest card says); without --keep-best, the single lowest eval loss.
     keep_best = _card(full[-1]).get("retention", {}).get("keep_best", 0) if full else 0
-    best = layout.best_steps(full, keep_best or 1)
+    best = best_steps(full, keep_best or 1)
 
     rows = []
     for step in sorted(steps):
@@ -169,7 +170,7 @@ def cmd_list(path, local: Path | None = None, mirror=None) -> int:
             saved = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(info.manifest.get("created_unix", 0)))
         backend, ranks = (info.manifest["backend"], str(info.manifest["world_size"])) if info else ("-", "-")
         print(f"{step:>10} {_count(progress.get('tokens_seen')):>8} {_num(progress.get('loss_last')):>8} "
-              f"{_num(layout.eval_loss(info) if info is not None else None):>8}  "
+              f"{_num(eval_loss(info) if info is not None else None):>8}  "
               f"{saved.replace('T', ' ')[:19]:<19} {size / MiB:>9.1f}  {backend:<10} {ranks:>5}  "
               f"{held:<{held_width}}  {text}")
     return 0

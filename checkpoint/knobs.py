@@ -13,7 +13,7 @@ PYRECOVER_DIRECT_IO=off                        fsio.py                          
 PYRECOVER_READ_AHEAD=off                       session.py (Session.read_ahead)      user-facing  read_ahead_disabled()
   a restart does not read its checkpoint ahead while it sets up (also 0/false/no; default on). Read per call.
 PYRECOVER_FAULT=<point>[:<n>[:error]]          fsio.py, layout.py, backends/dcp.py, test-only    fault_point()
-                                               backends/concurrent.py
+                                               backends/concurrent.py, retention.py
   SIGKILL this process the n-th time (default 1st) it reaches fault point <point> (``FAULT_POINTS``); with
   ``:error`` raise OSError(EIO) there instead. Read once at import (the fault-injection harness, tests/faults/).
 PYRECOVER_STEP_SLEEP=SECONDS                   policy.py (StepBoundary)             test-only    step_sleep_s()
@@ -69,7 +69,7 @@ FAULT_POINTS = {
     "after_write_before_fsync": "fsio.py: a file's bytes are written, not yet fsynced",
     "after_fsync_before_rename": "fsio.py: a file is durable under its temporary name",
     "after_manifest_before_commit": "layout.py: manifest.json written, COMMITTED not yet",
-    "during_retention_delete": "layout.py: retention is deleting an old checkpoint",
+    "during_retention_delete": "retention.py: retention is deleting an old checkpoint",
     "between_replace_renames": "layout.py: the old step folder moved to trash, the new one not yet in place",
     "dcp_write_file": "backends/dcp.py: inside a DCP save, before a file's bytes",
     "concurrent_persist_begin": "backends/concurrent.py: once per save, as its writer starts",

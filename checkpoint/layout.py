@@ -1,4 +1,6 @@
-"""The on-disk contract every backend shares: folders, part records, manifest, commit marker, `latest`, retention.
+"""The on-disk contract every backend shares: folders, part records, manifest, commit marker, `latest`, publishing.
+What a manifest's meta may hold is schema.py; which steps a location keeps, retention.py; how a copy is written on a
+medium (staged and renamed, or in place), route.py.
 
     <root>/step-00000123/
         ...payload files (backend specific)...
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import json
-import math
 import os
 import re
 import shutil
@@ -31,6 +32,7 @@ from .errors import CheckpointError
 from .fsio import (CHECKSUM_ALGORITHM, HASHERS, atomic_write_bytes, checksum_bytes, fsync_dir, make_dirs,  # noqa: F401
                    not_regular)
 from .knobs import fault_point
+from .schema import MAX_FILE_SIZE, MAX_STEP, MAX_WORLD_SIZE, is_int, is_number, meta_problem, show
 
 _log = logging.getLogger(__name__)
 
@@ -239,7 +241,7 @@ def read_manifest(step_dir: Path) -> dict:
                      None)
     if algorithm is None:
         raise CheckpointError(f"{step_dir / COMMITTED} is malformed: expected a JSON object holding manifest_"
-                              f"{CHECKSUM_ALGORITHM}, found {_show(marker)}; the checkpoint was damaged or tampered with")
+                              f"{CHECKSUM_ALGORITHM}, found {show(marker)}; the checkpoint was damaged or tampered with")
     if checksum_bytes(raw, algorithm) != marker[f"manifest_{algorithm}"]:
         raise CheckpointError(f"{step_dir / MANIFEST} does not match its commit marker: corrupted or tampered with")
     try:
@@ -247,20 +249,6 @@ def read_manifest(step_dir: Path) -> dict:
     except (ValueError, RecursionError):
         raise CheckpointError(f"{step_dir / MANIFEST} is not valid JSON") from None
     return check_manifest(manifest, step_dir)
-
-
-def _show(value, limit: int = 60) -> str:
-    """A JSON value in an error message: short, and saying what kind of thing it is."""
-    kind = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number")
-    text = json.dumps(value) if not isinstance(value, (dict, list)) else ""
-    if len(text) > limit:
-        text = text[:limit] + "..."
-    return f"{kind} {text}" if text and value is not None else kind
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_manifest(manifest, step_dir: Path) -> dict:
@@ -273,17 +261,17 @@ def check_manifest(manifest, step_dir: Path) -> dict:
         raise CheckpointError(f"{where} is malformed: {what}; the checkpoint was damaged or tampered with")
 
     if not isinstance(manifest, dict):
-        bad(f"expected a JSON object, found {_show(manifest)}")
+        bad(f"expected a JSON object, found {show(manifest)}")
     if "format_version" not in manifest:
         bad("no format_version")
     version = manifest["format_version"]
-    if version != FORMAT_VERSION or not _is_int(version):
-        newer = ": written by a newer version; upgrade PyRecover" if _is_int(version) and version > FORMAT_VERSION else ""
+    if version != FORMAT_VERSION or not is_int(version):
+        newer = ": written by a newer version; upgrade PyRecover" if is_int(version) and version > FORMAT_VERSION else ""
         raise CheckpointError(f"{where} has format_version {json.dumps(version)[:40]}, this PyRecover reads "
                               f"{FORMAT_VERSION}{newer or ': not a manifest this PyRecover can read'}")
     fields = {
-        "step": (lambda v: _is_int(v) and 0 <= v <= MAX_STEP, f"an integer from 0 to {MAX_STEP:.0e}"),
-        "world_size": (lambda v: _is_int(v) and 1 <= v <= MAX_WORLD_SIZE, f"an integer from 1 to {MAX_WORLD_SIZE}"),
+        "step": (lambda v: is_int(v) and 0 <= v <= MAX_STEP, f"an integer from 0 to {MAX_STEP:.0e}"),
+        "world_size": (lambda v: is_int(v) and 1 <= v <= MAX_WORLD_SIZE, f"an integer from 1 to {MAX_WORLD_SIZE}"),
         "backend": (lambda v: v in BACKENDS, f"one of {', '.join(BACKENDS)}"),
         "checksum": (lambda v: isinstance(v, str) and v != "", "a checksum algorithm name"),
         "files": (lambda v: isinstance(v, dict), "an object of file name -> record"),
@@ -292,7 +280,7 @@ def check_manifest(manifest, step_dir: Path) -> dict:
         if key not in manifest:
             bad(f"no {key}")
         if not ok(manifest[key]):
-            bad(f"{key} is {_show(manifest[key])}, expected {expected}")
+            bad(f"{key} is {show(manifest[key])}, expected {expected}")
     algorithm = manifest["checksum"]
     if algorithm not in HASHERS:
         raise CheckpointError(f"{where} uses checksum algorithm {algorithm[:40]!r}; this PyRecover verifies "
@@ -300,98 +288,21 @@ def check_manifest(manifest, step_dir: Path) -> dict:
     for name, rec in manifest["files"].items():
         safe_relpath(name, step_dir)
         if not isinstance(rec, dict):
-            bad(f"the record of {name!r} is {_show(rec)}, expected an object with size and {algorithm}")
-        if "size" not in rec or not _is_int(rec["size"]) or not 0 <= rec["size"] <= MAX_FILE_SIZE:
-            bad(f"the record of {name!r} has " + (f"size {_show(rec['size'])}" if "size" in rec else "no size")
+            bad(f"the record of {name!r} is {show(rec)}, expected an object with size and {algorithm}")
+        if "size" not in rec or not is_int(rec["size"]) or not 0 <= rec["size"] <= MAX_FILE_SIZE:
+            bad(f"the record of {name!r} has " + (f"size {show(rec['size'])}" if "size" in rec else "no size")
                 + f", expected an integer from 0 to {MAX_FILE_SIZE:.0e}")
         if not isinstance(rec.get(algorithm), str):
             bad(f"the record of {name!r} has no {algorithm} checksum string")
     named = STEP_DIR_RE.match(storage.as_path(step_dir).name)
     if named and int(named.group(1)) != manifest["step"]:
         bad(f"step is {manifest['step']} but the folder is {storage.as_path(step_dir).name}")
-    if "created_unix" in manifest and not _is_number(manifest["created_unix"]):
-        bad(f"created_unix is {_show(manifest['created_unix'])}, expected a number")
-    problem = _schema_problem(manifest.get("meta", {}), META_SCHEMA, "meta")
+    if "created_unix" in manifest and not is_number(manifest["created_unix"]):
+        bad(f"created_unix is {show(manifest['created_unix'])}, expected a number")
+    problem = meta_problem(manifest.get("meta", {}))
     if problem:
         bad(problem)
     return manifest
-
-
-# Bounds on sealed numbers: anything beyond is not a value a run can have written, and would overflow what reads it.
-MAX_STEP = 10**15
-MAX_WORLD_SIZE = 1 << 24
-MAX_FILE_SIZE = 1 << 50
-MAX_INT = 1 << 63
-
-
-def _is_number(value) -> bool:
-    """A float (NaN and infinity too: a diverged run records its loss as it was), or an int in range."""
-    return isinstance(value, float) or (_is_int(value) and abs(value) < MAX_INT)
-
-
-def _is_count(value) -> bool:
-    return _is_int(value) and 0 <= value < MAX_INT
-
-
-def _is_token_rows(value) -> bool:
-    """The card's probe: a rectangle of token ids (a batch of windows), what torch.tensor(..., long) takes."""
-    return (isinstance(value, list) and all(isinstance(r, list) for r in value)
-            and len({len(r) for r in value}) <= 1 and all(_is_count(t) and t < 1 << 31 for r in value for t in r))
-
-
-def _is_shard_list(value) -> bool:
-    """The card's shards of a folder/glob dataset: [[name, size in bytes], ...]."""
-    return isinstance(value, list) and all(isinstance(r, list) and len(r) == 2 and isinstance(r[0], str)
-                                           and _is_count(r[1]) for r in value)
-
-
-_OPT_NUM = (_is_number, type(None))  # a loss or learning rate the card records as null when there was none
-_OPT_STR = (str, type(None))
-
-# Every field of a manifest's ``meta`` that some reader uses (list, inspect, retention --keep-best, validate, export,
-# the resume checks), with what it must be: a type, a tuple of alternatives, a predicate, or a nested schema. Fields
-# may be absent (older checkpoints; a just-in-time save has no eval); present, they must fit, or the manifest is
-# malformed -- checked once, when it is read, so no reader has to defend itself.
-META_SCHEMA = {
-    "jit": bool,
-    "tier": {"origin": str, "lineage": str, "job": str, "rank": _is_count, "leader": _is_count,
-             "world_size": _is_count, "generation": _is_count},
-    "card": {
-        "model": {"preset": str, "params": _is_count, "config": dict},
-        "data": {"dataset": str, "fingerprint": _OPT_STR, "tokenizer": _OPT_STR, "sequence_length": _is_count,
-                 "eval_windows": _is_count, "shards": _is_shard_list},
-        "hyperparameters": dict,
-        "retention": {"keep": _is_count, "keep_every": _is_count, "keep_best": _is_count},
-        "layout": {"device": _OPT_STR, "dtype": str, "attention": _OPT_STR, "world_size": _is_count},
-        "versions": dict,
-        "note": str,
-        "flags": dict,
-        "progress": {"step": _is_count, "tokens_seen": _is_count, "loss_last": _OPT_NUM, "loss_mean": _OPT_NUM,
-                     "loss_steps": _is_count, "learning_rate": _OPT_NUM},
-        "time": {"saved_utc": str, "run_wall_s": _is_number},
-        "eval": {"probe_loss": _is_number, "eval_loss": _is_number, "probe_tokens": (_is_token_rows, type(None)),
-                 "val_loss": _is_number, "val_ppl": _is_number, "val_tokens": _is_count},
-    },
-}
-
-
-def _schema_problem(value, schema, where: str) -> str | None:
-    """What in ``value`` does not fit ``schema`` (see META_SCHEMA), as one phrase; None if it fits."""
-    if isinstance(schema, dict):
-        if not isinstance(value, dict):
-            return f"{where} is {_show(value)}, expected an object"
-        for key, sub in schema.items():
-            if key in value and (problem := _schema_problem(value[key], sub, f"{where}.{key}")):
-                return problem
-        return None
-    alternatives = schema if isinstance(schema, tuple) else (schema,)
-    for alt in alternatives:
-        if isinstance(alt, type):
-            if isinstance(value, alt) and not (alt is not bool and isinstance(value, bool)):
-                return None
-        elif alt(value):
-            return None
-    return f"{where} is {_show(value)}, which no PyRecover writes"
 
 
 def verify(step_dir: Path, *, checksums: bool = True, keep: dict | None = None,
@@ -597,92 +508,6 @@ class NoValidCheckpoint(CheckpointError):
     """`latest`: there are committed checkpoints, and none of them verifies."""
 
 
-# --- retention -----------------------------------------------------------------------------------------------------
-
-
-def eval_loss(info: CheckpointInfo) -> float | None:
-    """The validation loss in a committed checkpoint's card (evaluation.py: the val loss; an older card's held-out
-    eval loss), or None (none recorded, or unreadable)."""
-    try:
-        manifest = info.manifest or read_manifest(info.path)
-    except (CheckpointError, OSError):
-        return None
-    recorded = manifest.get("meta", {}).get("card", {}).get("eval", {})
-    value = recorded.get("val_loss", recorded.get("eval_loss"))
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
-
-
-def best_steps(infos: list[CheckpointInfo], k: int) -> list[int]:
-    """The steps of the ``k`` committed checkpoints with the lowest eval loss, best first (ties: the newer)."""
-    if k <= 0:
-        return []
-    scored = [(loss, -i.step) for i in infos if i.committed and (loss := eval_loss(i)) is not None]
-    return [-neg_step for _, neg_step in sorted(scored)[:k]]
-
-
-@dataclass(frozen=True)
-class Retention:
-    """Which committed checkpoints a location keeps (see apply_retention): the newest ``keep`` (0: all), every
-    ``keep_every``-th step, the ``keep_best`` lowest eval losses. One value, given to the manager and to the mirror."""
-
-    keep: int = 0
-    keep_every: int = 0
-    keep_best: int = 0
-
-    def apply(self, root, **how) -> list[int]:
-        return apply_retention(root, self.keep, keep_every=self.keep_every, keep_best=self.keep_best, **how)
-
-
-def apply_retention(root: Path, keep: int, *, keep_every: int = 0, keep_best: int = 0,
-                    in_flight: set[int] = frozenset(), guard: Callable[[str], None] = no_guard,
-                    own_staging: str = "", label: str = "retention", quiet: bool = False,
-                    salvage: Callable[[Path], None] | None = None) -> list[int]:
-    """Delete committed checkpoints beyond the newest ``keep`` (by numeric step). Returns the deleted steps.
-
-    Never deletes: the newest committed checkpoint, anything in flight, milestones (step % keep_every == 0), the
-    ``keep_best`` ones with the lowest held-out eval loss (Lightning's save_top_k), and
-    uncommitted folders newer than the newest committed one (they may be a save in progress on object storage, which
-    writes in place). Also sweeps staging folders of other incarnations (``own_staging`` is ours): the lease makes
-    them dead, since they can never be published. ``guard(what)`` raises if this incarnation is fenced. Called only
-    after a new checkpoint has committed. ``label`` begins each log line (the mirror's retention says so); ``quiet``:
-    no line per deletion (the local tier's, at every save). ``salvage``: see ``remove_step_dir``.
-    """
-    if keep <= 0:
-        writing(root).sweep(root, own_staging, guard)
-        return []
-    infos = list_checkpoints(root)
-    committed = [i for i in infos if i.committed]
-    if not committed:
-        return []
-    newest = committed[-1].step
-    keep_steps = {i.step for i in committed[-max(keep, 1):]} | {newest} | set(in_flight)
-    keep_steps |= set(best_steps(committed, keep_best))
-    doomed = [i for i in committed if i.step not in keep_steps and not (keep_every and i.step % keep_every == 0)]
-    # Stale partial folders older than the newest commit are leftovers of a crash; they never become loadable.
-    doomed += [i for i in infos if not i.committed and i.step < newest and i.step not in in_flight]
-    removed = []
-    for info in doomed:
-        guard(f"delete {info.path.name}")
-        fault_point("during_retention_delete", info.path)
-        try:
-            remove_step_dir(info.path, "retention keeps it: move them out to let it go", salvage=salvage)
-        except CheckpointError as e:
-            if str(info.path) not in _kept_foreign:  # once per folder and process: a save every N steps repeats it
-                _kept_foreign.add(str(info.path))
-                _log.warning(f"warning: {label}: {e}")
-            continue
-        removed.append(info.step)
-        if not quiet:
-            _log.info(f"{label}: removed {info.path.name}")
-    if removed:
-        storage.sync_dir(storage.as_path(root))
-    writing(root).sweep(root, own_staging, guard)
-    return removed
-
-
-_kept_foreign: set[str] = set()
-
-
 # --- staging, publishing, start-up sweep, retiring an abandoned line (local filesystems) --------------------------------
 # A save is written into <root>/.staging-<run_id>/step-N/ and committed there (manifest, COMMITTED); publishing renames
 # the committed folder to <root>/step-N. A checkpoint is therefore visible only once complete, and an existing committed
@@ -767,7 +592,7 @@ def recover(root: Path, own_staging: str = "") -> None:
             "are untouched")
 
 
-def _sweep_other_staging(root: Path, own_staging: str, guard: Callable[[str], None]) -> None:
+def sweep_other_staging(root: Path, own_staging: str, guard: Callable[[str], None]) -> None:
     if not root.is_dir():
         return
     for p in root.iterdir():
@@ -804,92 +629,3 @@ def retire_newer(root: Path, step: int, *, keep_files: tuple[str, ...] = (), gua
 def ensure_writable(root: Path) -> None:
     """Fail at startup, not at the first save, if the checkpoint folder cannot be written (S3: bucket, credentials)."""
     storage.medium(root).ensure_writable(storage.as_path(root))
-
-
-# --- how a copy of a checkpoint is written and made visible, per medium ---------------------------------------------
-
-
-class _Staged:
-    """A filesystem: written into a staging folder of the writer (``tag``), published by rename (see above)."""
-
-    def save_dir(self, root, tag: str, step: int) -> Path:
-        return staging_dir(root, tag, step)
-
-    def prepare(self, step_dir: Path) -> None:
-        """An empty folder: what is there is the writer's own leftover of a failed attempt (the name proves it)."""
-        if step_dir.exists():
-            storage.rmtree(step_dir)
-        step_dir.mkdir(parents=True)
-
-    def publish(self, written: Path, root, step: int, *, guard: Callable[[str], None], tag: str) -> Path:
-        return publish(written, root, step, guard=guard, tag=tag)
-
-    def discard(self, written: Path) -> None:
-        storage.rmtree(written)  # even committed, it was never published
-
-    def recover(self, root, own_staging: str, guard: Callable[[str], None], *, label: str, mine: bool) -> None:
-        guard(f"clean up the {label}")
-        recover(root, own_staging=own_staging)
-
-    def sweep(self, root, own_staging: str, guard: Callable[[str], None]) -> None:
-        _sweep_other_staging(Path(root), own_staging, guard)
-
-    def retire_newer(self, root, step: int, *, keep_files: tuple[str, ...], guard: Callable[[str], None]) -> None:
-        retire_newer(root, step, keep_files=keep_files, guard=guard)
-
-    def close(self, root, own_staging: str) -> None:
-        try:  # the staging folder, once empty (every save published)
-            (Path(root) / own_staging).rmdir()
-        except OSError:
-            pass
-
-
-class _InPlace:
-    """Object storage (no rename): written in place as ``step-N``; COMMITTED, written last, makes it a checkpoint."""
-
-    def save_dir(self, root, tag: str, step: int):
-        return storage.as_path(root) / step_dir_name(step)
-
-    def prepare(self, step_dir) -> None:
-        """An earlier attempt at this step is un-committed first, so a crash here leaves nothing `latest` picks; the
-        previous checkpoints stay intact."""
-        if step_dir.exists():
-            remove_step_dir(step_dir, "move them out of the checkpoint folder")
-        step_dir.mkdir(parents=True)
-
-    def publish(self, written, root, step: int, *, guard: Callable[[str], None], tag: str):
-        return written  # COMMITTED published it
-
-    def discard(self, written) -> None:
-        if not (written / COMMITTED).exists():
-            storage.rmtree(written)
-
-    def recover(self, root, own_staging: str, guard: Callable[[str], None], *, label: str, mine: bool) -> None:
-        """``mine``: nothing else writes here (a mirror, written by this run's copier alone), so an uncommitted step
-        folder is an interrupted copy and goes. Otherwise (no lease on object storage) it is left to `latest`
-        (skipped, named) and to retention."""
-        if not mine:
-            return
-        for info in list_checkpoints(root):
-            if not info.committed:
-                guard(f"delete the interrupted {label} copy {info.path.name}")
-                remove_step_dir(info.path, f"move them out of the {label}")
-                _log.info(f"{label}: removed {info.path}, an interrupted copy")
-
-    def sweep(self, root, own_staging: str, guard: Callable[[str], None]) -> None:
-        """No staging folders: nothing to sweep."""
-
-    def retire_newer(self, root, step: int, *, keep_files: tuple[str, ...], guard: Callable[[str], None]) -> None:
-        """Nothing moves: without a lease a second writer may be live here, and a move is a copy of every object. A
-        resumed run's newer checkpoints stay (docs/checkpointing.md, known limits)."""
-
-    def close(self, root, own_staging: str) -> None:
-        pass
-
-
-def writing(root) -> "_Staged | _InPlace":
-    """How copies of checkpoints are written under ``root``: decided by its medium, once."""
-    return _STAGED if storage.medium(root).filesystem else _IN_PLACE
-
-
-_STAGED, _IN_PLACE = _Staged(), _InPlace()

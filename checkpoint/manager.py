@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
-from . import layout, storage
+from . import layout, route, storage
 from .backends import JIT_FORMAT, Backend, RankInfo, backend_class, loader_for
 from .backends.base import BackgroundTask
 from .errors import CheckpointError
 from .fsio import MiB, is_disk_full
 from .lease import Fenced, Lease
 from .mirror import Mirror
+from .retention import Retention
 from .state import CheckpointState
 
 _log = logging.getLogger(__name__)
@@ -64,14 +65,14 @@ class CheckpointManager:
         rank: RankInfo,
         *,
         run_id: str,
-        retention: layout.Retention = layout.Retention(),
+        retention: Retention = Retention(),
         commit_timeout_s: float = 1800.0,
         lease: Lease | None = None,
         first: FirstPlace | None = None,
         copies: list[Mirror] = (),
     ):
         self.root = storage.as_path(root)  # a local Path or an s3:// S3Path
-        self._writing = layout.writing(self.root)  # staged and published by rename, or in place
+        self._writing = route.of(self.root)  # staged and published by rename, or in place
         self.backend = backend
         self.rank = rank
         self.run_id = run_id

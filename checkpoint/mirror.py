@@ -10,7 +10,7 @@ it: one warning when the mirror starts failing, retries, one line when it recove
       -> local mirror:  <mirror>/.staging-mirror-<run_id>/step-N/  every file copied atomically (tmp, fsync, rename),
                         each copy read back and checked against the primary's manifest, then manifest + COMMITTED
                         (layout.write_commit: the same bytes, the same marker), then layout.publish -> <mirror>/step-N
-         s3:// mirror:  in place, an earlier attempt un-committed first (layout.writing), COMMITTED last
+         s3:// mirror:  in place, an earlier attempt un-committed first (route.of), COMMITTED last
       -> retention on the mirror (--mirror-keep; never the newest committed one)
 
 A SIGKILL mid-copy leaves a staging folder (local: swept by the next start, ``recover``) or an uncommitted folder (s3:
@@ -26,12 +26,13 @@ import threading
 import time
 from typing import Callable
 
-from . import layout, storage
+from . import layout, route, storage
 from .errors import CheckpointError
 from .fsio import MiB
 from .knobs import mirror_delay_s
 from .lease import Fenced
 from .promoter import NEWEST, Promoter
+from .retention import Retention
 
 _log = logging.getLogger(__name__)
 
@@ -47,10 +48,10 @@ class Mirror:
     final copy. ``guard`` (set by the manager): raises Fenced once a newer incarnation owns the
     run, checked before every change to the mirror."""
 
-    def __init__(self, root, *, run_id: str, every: int = 1, retention: layout.Retention = layout.Retention(),
+    def __init__(self, root, *, run_id: str, every: int = 1, retention: Retention = Retention(),
                  timeout_s: float = 600.0, retries: int = RETRIES, backoff_s: float = BACKOFF_S):
         self.root = storage.as_path(root)
-        self._writing = layout.writing(self.root)  # staged and published by rename, or in place
+        self._writing = route.of(self.root)  # staged and published by rename, or in place
         self.run_id = run_id
         self.every, self.retention = every, retention
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s

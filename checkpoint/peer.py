@@ -32,13 +32,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterator
 
-from . import layout, storage
+from . import layout, route, storage
 from .backends import RankInfo
 from .errors import CheckpointError
 from .fsio import MiB, fsync_dir, make_dirs, new_hasher
 from .logs import EVERY_RANK
 from .places import PEER_DIR, rank_dir_name
 from .promoter import ORDERED, Promoter
+from .retention import apply_retention
 from .tier import LocalTier, abandoned
 
 _log = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ class _Landing:
                                   f"{manifest['world_size']}, not rank {owner}'s part at {world_size}; not kept")
         if sorted(manifest["files"]) != [n for n, _ in header["files"]]:
             raise CheckpointError(f"a peer's offer of step {header['step']} does not list its manifest's files")
-        self._writing = layout.writing(root)
+        self._writing = route.of(root)
         self.dir = self._writing.save_dir(root, tag, header["step"])
         self._writing.prepare(self.dir)
         self._file, self._index, self._hasher, self._size = None, -1, None, 0
@@ -346,7 +347,7 @@ class PeerCopy:
             {"error": f"rank {self.tier.rank.rank}'s save of step {step} failed"}, [])
         published = self.link.swap(self.buddy, offer, self.source, self._landing(self.root, self.source))
         self.sent_bytes += sum(size for _, size in offer[0].get("files", ()))
-        layout.apply_retention(self.root, self.keep, guard=layout.no_guard, own_staging=_staging(self.run_id),
+        apply_retention(self.root, self.keep, guard=layout.no_guard, own_staging=_staging(self.run_id),
                                label=f"peer copy {self.root}", quiet=True)
         if not self._said_first and self.tier.rank.is_main and published is not None:
             _log.info(f"peer copy: every local step is also kept on the next node (rank 0's on rank {self.buddy}'s "

@@ -38,6 +38,7 @@ from .peer import Link, PeerCopy, buddies
 from .places import Places
 from .policy import FINISHED, INTERVAL, NONE, SignalWatcher, When, step_boundary
 from .reader import section_reader
+from .retention import Retention
 from .state import CheckpointState, RunInfo
 from .tier import LocalTier
 
@@ -291,7 +292,7 @@ class Session:
             self.lease = run_lease.Lease(self.root, run_id[1])
         if self.lease is not None and main:
             self.lease.start_heartbeat()
-        retention = layout.Retention(s.keep, s.keep_every, s.keep_best)
+        retention = Retention(s.keep, s.keep_every, s.keep_best)
         # The places' machinery: where saves land first, and the copies of the run folder's steps (rank 0's)
         first = self.places.first(node_local=lambda: NodeLocal(*self._node_local(run_id[2], run_id[0], run_id[1])),
                                   run_folder=RunFolder)

@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from . import knobs, layout, nodetrust, storage
+from . import knobs, layout, nodetrust, route, storage
 from .backends import RankInfo
 from .backends.torchfile import load_pieces, rank_file
 from .errors import CheckpointError
@@ -50,6 +50,7 @@ from .logs import EVERY_RANK
 from .places import rank_dir_name, tier_root  # noqa: F401 - tier_root: the tier's folder, for callers
 from .promoter import ORDERED, Promoter
 from .reader import flatten
+from .retention import apply_retention
 from .state import CheckpointState, OptimizerState
 
 _log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class LocalTier:
         self.copies = copies  # 2 with a peer copy: this node also keeps another node's part (peer.py)
         self.generation = generation  # the lease generation writing here: which line a part belongs to (abandoned)
         self.identity = {**identity, "rank": rank.rank, "leader": leader, "world_size": rank.world_size}
-        self._writing = layout.writing(self.root)
+        self._writing = route.of(self.root)
         self._checked_space = False
         self.spares = Spares(self.root / SPARE_DIR)
         self._leader_manifests: dict[Path, dict] = {}  # by local step folder: the leader's manifest ``usable`` checked
@@ -147,7 +148,7 @@ class LocalTier:
 
     def retain(self, protected: set[int], guard: Callable[[str], None], own_staging: str) -> None:
         """Keep the newest ``keep`` committed local steps and ``protected`` (not drained yet)."""
-        layout.apply_retention(self.root, self.keep, in_flight=protected, guard=guard, own_staging=own_staging,
+        apply_retention(self.root, self.keep, in_flight=protected, guard=guard, own_staging=own_staging,
                                label=f"local tier {self.root}", quiet=True, salvage=self.spares.give)
 
     # --- restart -------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from helpers import (PY, ROOT, TINY, alive, check_weights, csv_rows, env_for_tes
 
 sys.path.insert(0, str(ROOT))
 from checkpoint import layout  # noqa: E402
+from checkpoint.retention import apply_retention  # noqa: E402
 import warm  # noqa: E402
 
 STEPS = 24
@@ -130,13 +131,13 @@ def test_retention_orders_by_numeric_step(tmp_path):
     _fake_checkpoint(tmp_path, 5, committed=False)  # crash leftover, older than the newest commit
     _fake_checkpoint(tmp_path, 2000, committed=False)  # newer, maybe in progress: must survive
     assert [i.step for i in layout.list_checkpoints(tmp_path)] == [5, 99, 100, 1000, 2000]
-    deleted = layout.apply_retention(tmp_path, keep=2)
+    deleted = apply_retention(tmp_path, keep=2)
     assert sorted(deleted) == [5, 99]
     assert [i.step for i in layout.list_checkpoints(tmp_path)] == [100, 1000, 2000]
     assert layout.resolve(tmp_path, "latest").step == 1000
     # keep=1 never deletes the newest committed one; milestones survive
     _fake_checkpoint(tmp_path, 3000)
-    layout.apply_retention(tmp_path, keep=1, keep_every=1000)
+    apply_retention(tmp_path, keep=1, keep_every=1000)
     assert [i.step for i in layout.list_checkpoints(tmp_path) if i.committed] == [1000, 3000]
 
 

@@ -29,6 +29,7 @@ from checkpoint.backends.base import Backend, CompletedPayload, PayloadHandle, R
 from checkpoint.backends.torchfile import load_pieces, payload_pieces  # noqa: E402
 from checkpoint.errors import CheckpointError  # noqa: E402
 from checkpoint.manager import CheckpointManager  # noqa: E402
+from checkpoint.retention import Retention, apply_retention  # noqa: E402
 from checkpoint.state import CheckpointState  # noqa: E402
 
 TIMEOUT = 10.0  # an Event the test forgot to set fails the test instead of hanging it
@@ -185,7 +186,7 @@ def make_manager(root):
     def make(*, keep: int = 0, keep_every: int = 0, max_in_flight: int = 1, run_id: str = RUN) -> CheckpointManager:
         backend = FakeBackend(max_in_flight)
         m = CheckpointManager(root, backend, RankInfo(), run_id=run_id,
-                              retention=layout.Retention(keep=keep, keep_every=keep_every))
+                              retention=Retention(keep=keep, keep_every=keep_every))
         m.logs = LogLines()
         made.append(backend)
         return m
@@ -244,7 +245,7 @@ def flip_last_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-# --- retention (layout.apply_retention) ------------------------------------------------------------------------------
+# --- retention (retention.apply_retention) ------------------------------------------------------------------------------
 
 
 def test_retention_orders_steps_by_number_not_by_name(root):
@@ -255,7 +256,7 @@ def test_retention_orders_steps_by_number_not_by_name(root):
     assert names[0] == layout.step_dir_name(100_000_000)  # by name, the 9-digit steps sort first
     assert present(root) == steps
 
-    assert layout.apply_retention(root, 2) == [99_999_998, 99_999_999]
+    assert apply_retention(root, 2) == [99_999_998, 99_999_999]
     assert present(root) == [100_000_000, 100_000_001]
     assert latest(root) == 100_000_001
 
@@ -264,11 +265,11 @@ def test_retention_keep_every_milestones_survive(root):
     for s in range(2, 13, 2):
         commit_step(root, s)
     logs = LogLines()
-    assert layout.apply_retention(root, 2, keep_every=4) == [2, 6]
+    assert apply_retention(root, 2, keep_every=4) == [2, 6]
     assert committed(root) == [4, 8, 10, 12]  # the newest 2, plus every multiple of 4
     assert logs == ["retention: removed step-00000002", "retention: removed step-00000006"]
     # keep=0 means keep everything (milestones or not)
-    assert layout.apply_retention(root, 0) == []
+    assert apply_retention(root, 0) == []
     assert committed(root) == [4, 8, 10, 12]
 
 
@@ -280,10 +281,10 @@ def test_retention_spares_in_flight_and_newest_and_newer_partials(root):
     (root / layout.step_dir_name(3)).mkdir()  # uncommitted, older than the newest commit
     (root / layout.step_dir_name(5)).mkdir()  # uncommitted, newer than the newest commit
 
-    assert layout.apply_retention(root, 1, in_flight={1, 3}) == [2]
+    assert apply_retention(root, 1, in_flight={1, 3}) == [2]
     assert present(root) == [1, 3, 4, 5]
     # Once nothing is in flight: 1 goes (beyond keep), 3 is a stale partial; 4 (newest) and 5 (newer) stay.
-    assert layout.apply_retention(root, 1) == [1, 3]
+    assert apply_retention(root, 1) == [1, 3]
     assert present(root) == [4, 5] and committed(root) == [4]
     assert latest(root) == 4
 
@@ -298,7 +299,7 @@ def test_retention_sweeps_dead_staging_and_trash_only(root):
     trash = root / ".trash-step-00000001-x"
     trash.mkdir()
 
-    assert layout.apply_retention(root, 0, own_staging=own.name) == []
+    assert apply_retention(root, 0, own_staging=own.name) == []
     assert committed(root) == [1, 2]
     assert not other.exists() and not trash.exists()
     assert (own / layout.step_dir_name(4)).is_dir()

@@ -1,7 +1,7 @@
 """What a storage medium must do for a checkpoint folder: durable atomic writes, verified reads, listing what is not
 ours, deletion, and the two questions the layout asks of a location. One subclass per medium, one file each; the
 layout above never asks which medium it is writing to, only whether the medium is a filesystem (atomic rename, exclusive
-create, links: see layout.writing)."""
+create, links: see route.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A POSIX filesystem (local disk, Lustre, GPFS, NFS, tmpfs): every write goes through fsio (temporary name, fsync,
 rename, fsync of the folder; O_DIRECT where the filesystem takes it), and rename is atomic, so a checkpoint is
-written aside and published whole (layout.writing)."""
+written aside and published whole (route.py)."""
 
 from __future__ import annotations
 
