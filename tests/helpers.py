@@ -86,6 +86,26 @@ def run_torchrun(nproc: int, args: list[str], *, env: dict | None = None, timeou
 
 
 def check_weights(a: Path, b: Path, *extra: str) -> subprocess.CompletedProcess:
+    """tests/check_weights_equality.py on ``a`` and ``b``, run in this process: the same comparison and exit code as
+    its command line, without a process that imports torch for each call (about 4 s of CPU each, dozens of calls in the
+    suite). Its command line itself is tested through check_weights_cli (test_checkpoint.py)."""
+    import contextlib
+    import io
+
+    from check_weights_equality import main  # tests/ is on sys.path: this module came from there
+
+    argv = [str(a), str(b), *extra]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as e:  # argparse: a bad flag
+            rc = e.code if isinstance(e.code, int) else 2
+    return subprocess.CompletedProcess(["check_weights_equality.py", *argv], rc, out.getvalue(), err.getvalue())
+
+
+def check_weights_cli(a: Path, b: Path, *extra: str) -> subprocess.CompletedProcess:
+    """The same, through the script's command line (as docs/install.md has a user run it)."""
     return subprocess.run([PY, str(ROOT / "tests" / "check_weights_equality.py"), str(a), str(b), *extra],
                           capture_output=True, text=True, timeout=120, env=env_for_tests())
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (PY, ROOT, TINY, alive, check_weights, csv_rows, env_for_tests, kill_run_at_row, loss_rows,
-                     run_train, torchrun_cmd)
+from helpers import (PY, ROOT, TINY, alive, check_weights, check_weights_cli, csv_rows, env_for_tests, kill_run_at_row,
+                     loss_rows, run_train, torchrun_cmd)
 
 sys.path.insert(0, str(ROOT))
 from checkpoint import layout  # noqa: E402
@@ -189,16 +189,20 @@ def test_check_weights_equality_exit_codes(corpus, tmp_path):
     run_train(_args(corpus, tmp_path / "a") + ["--training-steps", "4"], check=True)
     run_train(_args(corpus, tmp_path / "b") + ["--training-steps", "4", "--seed", "7"], check=True)
     a, b = tmp_path / "a/default/step-00000004", tmp_path / "b/default/step-00000004"
-    same = check_weights(a, a, "--tolerance", "0", "--verbose", "--optimizer")
+    same = check_weights_cli(a, a, "--tolerance", "0", "--verbose", "--optimizer")
     assert same.returncode == 0 and "max|a-b|" in same.stdout
-    diff = check_weights(a, b, "--tolerance", "0")
+    diff = check_weights_cli(a, b, "--tolerance", "0")
     assert diff.returncode == 1 and "differs" in diff.stdout
-    loose = check_weights(a, b, "--tolerance", "100")
+    loose = check_weights_cli(a, b, "--tolerance", "100")
     assert loose.returncode == 0
-    missing = check_weights(a, tmp_path / "nope")
+    missing = check_weights_cli(a, tmp_path / "nope")
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1
-    single_file = check_weights(a / "model.pt", a, "--tolerance", "0")
+    single_file = check_weights_cli(a / "model.pt", a, "--tolerance", "0")
     assert single_file.returncode == 0
+    # the suite's in-process check_weights (helpers.py) answers as the command line does
+    for args, code in (((a, a, "--tolerance", "0", "--optimizer"), 0), ((a, b, "--tolerance", "0"), 1),
+                       ((a, tmp_path / "nope"), 2), ((a, a, "--tolerance", "nan"), 2)):
+        assert check_weights(*args).returncode == code, args
 
 
 def test_checkpoint_cli_list_verify_inspect(corpus, tmp_path):
