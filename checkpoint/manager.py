@@ -232,12 +232,6 @@ class CheckpointManager:
             return e
         return self._io_error(step, e, *where)
 
-    def _drain_failed(self, step_dir: Path, e: OSError | CheckpointError) -> None:
-        """This rank's copy from the local tier failed: the shared tier's folder is abandoned, unless the run directory
-        is no longer ours."""
-        if not isinstance(e, Fenced) and not self.fenced:
-            self._abandon(step_dir, e)
-
     def _abandon(self, step_dir: Path, e: OSError | CheckpointError) -> None:
         """A save failed on this rank. Rank 0 removes the uncommitted folder (a full disk gets its space back for the next
         attempt); another rank leaves a failure record so rank 0 stops waiting for its part at once. Best effort."""

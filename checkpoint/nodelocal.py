@@ -39,7 +39,7 @@ class NodeLocal:
 
     def attach(self, manager: "CheckpointManager") -> None:
         self.m = manager
-        self._drainer = Drainer(self.tier, self._land_drained, manager._drain_failed)
+        self._drainer = Drainer(self.tier, self._land_drained, self._drain_failed)
 
     # --- save ----------------------------------------------------------------------------------------------------
     def save(self, step: int, state: CheckpointState, meta: dict | None, *, t0: float, shared: bool, peer: bool):
@@ -100,6 +100,12 @@ class NodeLocal:
 
     def _land_drained(self, step: int, step_dir, files: dict, **land_args) -> None:
         self.m._land(step, step_dir, files, landed=self._drained, **land_args)
+
+    def _drain_failed(self, step_dir, e: OSError | CheckpointError) -> None:
+        """This rank's copy from the local tier failed: the shared tier's folder is abandoned, unless the run directory
+        is no longer ours."""
+        if not isinstance(e, Fenced) and not self.m.fenced:
+            self.m._abandon(step_dir, e)
 
     def _drained(self, record, t0: float) -> None:
         record.shared_s = time.perf_counter() - t0
