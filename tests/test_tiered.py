@@ -95,11 +95,16 @@ def test_whole_job_kills_resume_from_the_local_tier_then_a_swapped_node_from_the
         damaged.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
         expect = common[-2]
     print(f"local steps held {held}; expected resume from {expect}")
-    out = run_torchrun(2, args, env={**TWO_NODES, "PYRECOVER_CRASH_AT_STEP": f"{second + 1}:0"})
+    # The drain of step 20 to the shared tier runs in the background: steps slowed to 0.3 s give it the 3+ steps
+    # before the crash (at 0.17 s steps, on a busy machine, the crash at step 24 could come first: seed 483664795).
+    out = run_torchrun(2, args, env={**TWO_NODES, "PYRECOVER_CRASH_AT_STEP": f"{second + 1}:0",
+                                     "PYRECOVER_STEP_SLEEP": "0.3"})
     step, where = _resumed(out.stdout + out.stderr)
     assert where == "2 of 2 ranks from their local tier", out.stdout[-2000:]
     assert step == expect, (held, step)
     assert (ckpt / "run" / f"step-{step:08d}" / "COMMITTED").exists(), "the restored step was not drained"
+    shared = ckpt / "run" / f"step-{SHARED_EVERY:08d}" / "COMMITTED"
+    assert shared.exists(), f"the crash at step {second + 1} came before step {SHARED_EVERY}'s drain committed"
 
     # rank 0 died after the forward pass of step second+1 (the job's other rank with it): rank 1's node is replaced
     shutil.rmtree(mine / "rank-00001")
