@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from . import layout, storage
 from .errors import CheckpointError
 from .fsio import MiB
 from .lease import Fenced
+from .manager import CheckpointManager, SaveRecord
 from .peer import PeerCopy
 from .state import CheckpointState
 from .tier import FORKS, Drainer, LocalTier, everywhere, part_bytes, read_forks, record_resume
-
-if TYPE_CHECKING:
-    from .manager import CheckpointManager
 
 _log = logging.getLogger(__name__)
 
@@ -37,7 +34,7 @@ class NodeLocal:
         self.m: CheckpointManager | None = None
         self._drainer: Drainer | None = None
 
-    def attach(self, manager: "CheckpointManager") -> None:
+    def attach(self, manager: CheckpointManager) -> None:
         self.m = manager
         self._drainer = Drainer(self.tier, self._land_drained, self._drain_failed)
 
@@ -45,8 +42,6 @@ class NodeLocal:
     def save(self, step: int, state: CheckpointState, meta: dict | None, *, t0: float, shared: bool, peer: bool):
         """Write this rank's part of ``step`` into the local tier; ``shared``: drain it to the shared tier once
         committed here; ``peer``: send it to the buddy node too. Returns (payload, finish, record) for the manager."""
-        from .manager import SaveRecord
-
         m, tier = self.m, self.tier
         if shared:
             self._drainer.wait()  # one drain at a time: a shared tier slower than its interval stalls, never piles up
@@ -206,8 +201,6 @@ class NodeLocal:
     def _drain_restored(self, step: int, meta: dict) -> None:
         """A step restored from the local tiers alone goes to the shared tier now (in the background), unless it is
         there already."""
-        from .manager import SaveRecord
-
         m = self.m
         there = m.rank.from_main((m.root / layout.step_dir_name(step) / layout.COMMITTED).exists()
                                  if m.rank.is_main else None)
