@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import distributed
-from checkpoint import RunInfo
+from checkpoint import RunInfo, naming
 from checkpoint import policy as stop_policy
 from checkpoint.backends import BACKENDS
 from checkpoint.walltime import parse_walltime
@@ -360,6 +360,29 @@ NUMERIC_FLAGS: tuple[tuple[str, float, bool], ...] = (
     ("lr_decay_steps", 1, True), ("lr_decay_fraction", 0, False),
 )
 
+
+#: The checkpoint package's messages name its settings (checkpoint.naming); on this command line they are these flags,
+#: so a refusal names what the user typed. Keys: checkpoint.Settings fields (``when.*``: policy.When) and the few
+#: names the package's messages use for train.py's own choices (``resume``, ``model``, ``max_async``).
+SETTING_FLAGS = {
+    "checkpoint_dir": "--checkpoint-dir", "experiment": "--experiment_name", "backend": "--checkpoint-backend",
+    "sharded": "--parallel fsdp", "async_save": "--async-checkpoint", "jit": "--jit-checkpoint",
+    "max_async": "--max-async", "mirror_dir": "--mirror-dir", "mirror_timeout_s": "--mirror-timeout",
+    "force_takeover": "--force-takeover", "on_save_error": "--on-save-error", "local_dir": "--local-checkpoint-dir",
+    "local_every": "--local-checkpoint-frequency", "local_keep": "--local-checkpoint-keep",
+    "peer": "--peer-checkpoint", "when.every_steps": "--checkpoint-frequency", "when.walltime_s": "--walltime",
+    "when.max_restarts": "--max-restarts", "resume": "--resume-from-checkpoint", "model": "--model",
+}
+#: ... and the settings whose value this command line spells as a whole (a switch, an alias)
+SETTING_VALUES = {
+    ("requeue", "True"): "--requeue", ("requeue", "False"): "--no-requeue",
+    ("backend", "dcp"): "--checkpoint-backend dcp (or --use-torch-distributed-ckpt)",
+}
+
+
+def spell_settings() -> None:
+    """From here on, the checkpoint package's messages name this command line's flags (train.py calls it first)."""
+    naming.spell_as(SETTING_FLAGS, SETTING_VALUES)
 
 def check_flags(args: argparse.Namespace, *, writes_csv: bool = True) -> None:
     """Everything wrong with the flags that needs nothing loaded, one line each: numbers, combinations, paths.

@@ -68,7 +68,8 @@ from tokenizer import folder_tokenizer, vocabulary_difference
 from evaluation import (EVAL_BATCH, CardMaker, Evaluator, batch_loss, check_prediction, eval_window_count, evaluate,
                         run_layout)
 from flags import (BadInput, apply_resume_flags, build_parser, check_flags, check_numeric_flags,  # noqa: F401 (tests)
-                   check_resume_flags, parse_args, RESOLVED_CONFIG, resolved_config, schedule_warning)
+                   check_resume_flags, parse_args, RESOLVED_CONFIG, resolved_config, schedule_warning,
+                   spell_settings)
 from hf import model_config_from_hf, read_hf  # Hugging Face Llama <-> model.py names (one table)
 from metrics import VAL_CSV, Metrics, device_peak_flops, started_at, val_csv_path
 import schedules
@@ -837,6 +838,7 @@ def check_everything(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     distributed.follow_launcher(_PARENT_AT_START)  # before anything else: a rank must not outlive its torchrun
+    spell_settings()  # the checkpoint package's refusals name this command line's flags
     args = parse_args(argv)
     if args.check:  # the pre-flight checks alone: no process group, no signal handlers, nothing written
         return check_only(args)

@@ -66,6 +66,7 @@ from .lease import Fenced
 from .fsio import atomic_write_bytes, make_dirs
 from .logs import EVERY_RANK
 from .manager import CheckpointManager
+from .naming import setting
 from .state import CheckpointState
 
 _log = logging.getLogger(__name__)
@@ -197,7 +198,7 @@ class JustInTime(NoJIT):
         _tell(f"jit: rank {r} saved step {step} to {path} in {time.perf_counter() - t0:.2f}s "
                  f"(RNG of ranks {meta['rng_derived_ranks']} "
                  f"{'derived from their seed: exact' if meta['rng_exact'] else 'NOT recoverable: fresh seed on resume'}); "
-                 "resume with --resume-from-checkpoint latest")
+                 f"resume with {setting('resume', 'latest')}")
         return True
 
     def _elect(self) -> bool:

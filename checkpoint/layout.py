@@ -32,6 +32,7 @@ from .errors import CheckpointError
 from .fsio import (CHECKSUM_ALGORITHM, HASHERS, atomic_write_bytes, checksum_bytes, fsync_dir, make_dirs,  # noqa: F401
                    not_regular)
 from .knobs import fault_point
+from .naming import setting
 from .schema import MAX_FILE_SIZE, MAX_STEP, MAX_WORLD_SIZE, is_int, is_number, meta_problem, show
 
 _log = logging.getLogger(__name__)
@@ -454,7 +455,7 @@ def resolve(root: Path, spec: str, *, quiet: bool = False, keep: bool = False,
     path = spec_dir(root, spec)
     if spec.isdigit() and storage.is_link(path):
         raise CheckpointError(f"{path} is a symbolic link, not a checkpoint this run wrote; pass the folder it "
-                              f"points to ({os.readlink(path)}) as --resume-from-checkpoint PATH if you trust it")
+                              f"points to ({os.readlink(path)}) as {setting('resume', 'PATH')} if you trust it")
     if not path.exists():
         raise CheckpointError(f"checkpoint {spec!r} not found (looked for {path}); use `python -m checkpoint list {root}`")
     m = STEP_DIR_RE.match(path.name)
@@ -499,8 +500,8 @@ def resolve_latest(roots: list, *, quiet: bool = False, keep: bool = False,
     if invalid:  # committed once, none verifies now: starting over would bury the run under a fresh one
         raise NoValidCheckpoint(
             f"none of the {len(invalid)} committed checkpoint(s) verifies (the newest: {invalid[0]}); nothing was "
-            "changed: repair or move them, resume from a copy (--resume-from-checkpoint PATH), or start a new run "
-            "under another --experiment_name")
+            f"changed: repair or move them, resume from a copy ({setting('resume', 'PATH')}), or start a new run "
+            f"under another {setting('experiment')}")
     return None
 
 

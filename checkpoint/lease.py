@@ -50,6 +50,7 @@ from typing import Callable, Mapping
 from . import knobs, slurm
 from .errors import CheckpointError
 from .fsio import fsync_dir, make_dirs
+from .naming import setting
 
 _log = logging.getLogger(__name__)
 
@@ -235,7 +236,7 @@ def _takeover_reason(holder: dict | None, mtime: float, me: dict, force: bool,
     if holder.get("released_unix"):
         return ""
     if force:
-        return f"--force-takeover from {describe(holder)}"
+        return f"{setting('force_takeover')} from {describe(holder)}"
     if holder.get("slurm_job_id") and holder.get("slurm_job_id") == me["slurm_job_id"]:
         return f"requeued SLURM job {me['slurm_job_id']} (restart {me['slurm_restart_count']}) fences {describe(holder)}"
     if holder.get("host") == me["host"] and _proc_start(int(holder.get("pid") or 0)) != holder.get("pid_start"):
@@ -255,7 +256,7 @@ def acquire(root: Path, *, force: bool = False, environ: Mapping[str, str] = os.
         return _acquire(Path(root), force, environ, job_running)
     except OSError as e:
         raise CheckpointError(f"cannot take the run directory {root} over: {e.strerror or e} ({e.filename or root}); "
-                              "check its permissions or pass another --checkpoint-dir") from None
+                              f"check its permissions or pass another {setting('checkpoint_dir')}") from None
 
 
 def _acquire(root: Path, force: bool, environ: Mapping[str, str], job_running: Callable[[str], bool | None],
@@ -278,8 +279,8 @@ def _acquire(root: Path, force: bool, environ: Mapping[str, str], job_running: C
                 age = time.time() - mtime
                 raise LeaseHeld(
                     f"{root} is in use by {describe(holder or {'generation': current})}, heartbeat {age:.0f}s ago: one "
-                    f"writer per run directory; wait for it to finish, use another --experiment_name, or pass "
-                    f"--force-takeover if that run is dead (it is then fenced)")
+                    f"writer per run directory; wait for it to finish, use another {setting('experiment')}, or pass "
+                    f"{setting('force_takeover')} if that run is dead (it is then fenced)")
             if why:
                 _log.info(f"run directory: taking over from {why}")
         record = {**me, "generation": current + 1, "token": uuid.uuid4().hex}

@@ -23,6 +23,7 @@ from .errors import CheckpointError
 from .fsio import MiB, is_disk_full
 from .lease import Fenced, Lease
 from .mirror import Mirror
+from .naming import setting
 from .retention import Retention
 from .state import CheckpointState
 
@@ -243,12 +244,12 @@ class CheckpointManager:
         except OSError:
             pass
 
-    def _io_error(self, step: int, e: OSError, where=None, flag: str = "--checkpoint-dir") -> CheckpointError:
+    def _io_error(self, step: int, e: OSError, where=None, names: str = "checkpoint_dir") -> CheckpointError:
         where = where or self.root
         if is_disk_full(e):
             return CheckpointError(
                 f"saving step {step} to {where} failed: no space left on device; free space or point "
-                f"{flag} elsewhere (the previous checkpoint is intact)"
+                f"{setting(names)} elsewhere (the previous checkpoint is intact)"
             )
         return CheckpointError(f"saving step {step} to {where} failed: {e.strerror or e} ({e.filename or ''})")
 

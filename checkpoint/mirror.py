@@ -31,6 +31,7 @@ from .errors import CheckpointError
 from .fsio import MiB
 from .knobs import mirror_delay_s
 from .lease import Fenced
+from .naming import setting
 from .promoter import NEWEST, Promoter
 from .retention import Retention
 
@@ -236,8 +237,8 @@ class Mirror:
         if not self._promoter.close(self.timeout_s):
             current = self._promoter.current
             left = current if current is not None else newest[0] if newest else "?"
-            self._warn(f"the final copy to the mirror {self.root} did not finish within --mirror-timeout "
-                       f"{self.timeout_s:g}s (step {left}); the primary holds it")
+            self._warn(f"the final copy to the mirror {self.root} did not finish within "
+                       f"{setting('mirror_timeout_s', f'{self.timeout_s:g}s')} (step {left}); the primary holds it")
         else:
             self._writing.close(self.root, self._staging_name)
 

@@ -54,7 +54,7 @@ class NodeLocal:
         def failed(e: OSError | CheckpointError) -> CheckpointError:
             if to_peer:
                 self.peer.submit(step, None)  # the buddy, which saved this step, hears it will not come
-            return m._save_failed(step, step_dir, e, where=(tier.root.parent.parent, "--local-checkpoint-dir"),
+            return m._save_failed(step, step_dir, e, where=(tier.root.parent.parent, "local_dir"),
                                   cleanup=lambda: local_dir is not None and tier.discard(local_dir))
 
         try:  # fenced: the local publish refuses (its guard), as the shared commit does

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 
 from . import storage
 from .errors import CheckpointError
+from .naming import setting
 
 if TYPE_CHECKING:
     from .session import Settings
@@ -52,7 +53,7 @@ def tier_root(local_dir, experiment: str, origin: str) -> Path:
 class Place:
     kind: str  # LOCAL, PEER, SHARED or MIRROR
     root: Path  # the run's folder there
-    setting: str  # what names it, for messages: "--checkpoint-dir DIR"
+    setting: str  # what names it, for messages: naming.setting("checkpoint_dir", DIR)
 
     @property
     def per_rank(self) -> bool:
@@ -77,21 +78,21 @@ class Places:
     def of(cls, s: "Settings") -> "Places":
         """The places ``s`` names; a place that cannot work raises CheckpointError (one line)."""
         shared_root = storage.as_path(s.checkpoint_dir) / s.experiment
-        shared = Place(SHARED, shared_root, f"--checkpoint-dir {s.checkpoint_dir}")
+        shared = Place(SHARED, shared_root, setting("checkpoint_dir", s.checkpoint_dir))
         mirror = local = peer = None
         if s.mirror_dir:
             if why := _mirror_refusal(s.checkpoint_dir, s.mirror_dir, s.experiment):
                 raise CheckpointError(why)
-            mirror = Place(MIRROR, storage.as_path(s.mirror_dir) / s.experiment, f"--mirror-dir {s.mirror_dir}")
+            mirror = Place(MIRROR, storage.as_path(s.mirror_dir) / s.experiment, setting("mirror_dir", s.mirror_dir))
         if s.local_dir:
             if why := _local_refusal(s):
                 raise CheckpointError(why)
             root = tier_root(s.local_dir, s.experiment, str(shared_root))
-            local = Place(LOCAL, root, f"--local-checkpoint-dir {s.local_dir}")
+            local = Place(LOCAL, root, setting("local_dir", s.local_dir))
             if s.peer:
-                peer = Place(PEER, root / PEER_DIR, f"--local-checkpoint-dir {s.local_dir} (peer copies)")
+                peer = Place(PEER, root / PEER_DIR, f"{local.setting} (peer copies)")
         elif s.peer:
-            raise CheckpointError("--peer-checkpoint needs --local-checkpoint-dir: the peer copy is a second copy of "
+            raise CheckpointError(f"{setting('peer')} needs {setting('local_dir')}: the peer copy is a second copy of "
                                   "the node-local tier's steps, on the next node")
         return cls(shared, local, peer, mirror)
 
@@ -120,15 +121,15 @@ class Places:
 def _local_refusal(s: "Settings") -> str | None:
     """Why the node-local tier cannot work with these settings, in one line, or None."""
     if not storage.medium(s.local_dir).filesystem:
-        return f"--local-checkpoint-dir {s.local_dir} must be a folder on each node (/dev/shm/..., a local NVMe disk)"
+        return f"{setting('local_dir', s.local_dir)} must be a folder on each node (/dev/shm/..., a local NVMe disk)"
     if s.local_every < 0 or s.local_keep < 1:
-        return "--local-checkpoint-frequency must be at least 0 and --local-checkpoint-keep at least 1"
+        return f"{setting('local_every')} must be at least 0 and {setting('local_keep')} at least 1"
     if s.local_every and s.when.every_steps % s.local_every:
-        return (f"--checkpoint-frequency {s.when.every_steps} must be a multiple of --local-checkpoint-frequency "
-                f"{s.local_every}: the shared tier receives local steps")
+        return (f"{setting('when.every_steps', s.when.every_steps)} must be a multiple of "
+                f"{setting('local_every', s.local_every)}: the shared tier receives local steps")
     local = Path(s.local_dir).resolve()
     if storage.medium(s.checkpoint_dir).filesystem and local == Path(s.checkpoint_dir).resolve():
-        return "--local-checkpoint-dir must differ from --checkpoint-dir (the shared tier)"
+        return f"{setting('local_dir')} must differ from {setting('checkpoint_dir')} (the shared tier)"
     return None
 
 
@@ -139,9 +140,9 @@ def _mirror_refusal(checkpoint_dir: str, mirror_dir: str, experiment: str) -> st
     in_primary, in_mirror = storage.within(m_root, p_root), storage.within(p_root, m_root)
     if in_primary and in_mirror:
         alias = "" if primary == mirror else f" under another name (run folders {primary} and {mirror})"
-        return (f"--mirror-dir {mirror_dir} is the --checkpoint-dir itself{alias}; give the mirror another location "
+        return (f"{setting('mirror_dir', mirror_dir)} is the {setting('checkpoint_dir')} itself{alias}; give the mirror another location "
                 "(e.g. the shared filesystem or s3://bucket/prefix)")
     if in_primary or in_mirror:
-        return (f"--mirror-dir {mirror_dir} and --checkpoint-dir {checkpoint_dir} hold one another (run folders "
+        return (f"{setting('mirror_dir', mirror_dir)} and {setting('checkpoint_dir', checkpoint_dir)} hold one another (run folders "
                 f"{primary} and {mirror}); give the mirror a separate location")
     return None

@@ -43,6 +43,7 @@ from typing import Callable, Mapping, Sequence
 
 from . import knobs, slurm
 from .logs import EVERY_RANK
+from .naming import setting
 from .signals import SignalOwner
 from .walltime import DeadlineReader, WalltimePolicy
 
@@ -187,7 +188,7 @@ class SignalWatcher:
         if signum == signal.SIGINT and not self.armed:
             _exit_now(signum, NOTHING_TO_SAVE)
         if signum == signal.SIGINT and signal.SIGINT in self.received:
-            _exit_now(signum, "again: exiting now without saving; --resume-from-checkpoint latest continues from the "
+            _exit_now(signum, f"again: exiting now without saving; {setting('resume', 'latest')} continues from the "
                               "last committed checkpoint")
         self.received.append(signum)
         if signum == signal.SIGTERM and not self.armed:
@@ -402,29 +403,29 @@ class StepBoundary:
         if self.stopped is not None and self.stopped.vote == TERM:
             return False, "stopped by SIGTERM (SLURM is ending the job: time limit, preemption or scancel)"
         if r.enabled is False:
-            return False, "--no-requeue"
+            return False, setting("requeue", False)
         if not slurm.in_job(self.environ):
             return False, "not running in a SLURM job"
         if r.enabled is None and slurm.in_array(self.environ):
-            return False, "job array task: the next array task resumes from `latest` (pass --requeue to requeue " \
-                          "this task instead)"
+            return False, ("job array task: the next array task resumes from `latest` (pass "
+                           f"{setting('requeue', True)} to requeue this task instead)")
         restarts = slurm.restart_count(self.environ)
         if restarts >= r.max_restarts:
-            return False, f"already restarted {restarts} times (--max-restarts {r.max_restarts})"
+            return False, f"already restarted {restarts} times ({setting('when.max_restarts', r.max_restarts)})"
         return True, f"restart {restarts + 1} of at most {r.max_restarts}"
 
     def _requeue(self, step: int, final_step: int) -> str:
         want, why = self.want_requeue()
         if not want:
             _tell(f"interrupted (SIGINT) at step {step}: checkpoint step {step} committed; resume with "
-                     f"--resume-from-checkpoint latest (make train does)" if self._interrupted() else
+                     f"{setting('resume', 'latest')} (make train does)" if self._interrupted() else
                      f"stopped at step {step} of {final_step}, checkpoint committed; not requeueing: {why}")
             return STOPPED
         target = slurm.requeue_target(self.environ)
         ok, message = slurm.requeue(target, timeout=self.requeue.timeout_s)
         if not ok:
             _tell(f"error: stopped at step {step} of {final_step} with the checkpoint committed, but cannot requeue "
-                     f"job {target}: {message}; resubmit with --resume-from-checkpoint latest (or `sbatch "
+                     f"job {target}: {message}; resubmit with {setting('resume', 'latest')} (or `sbatch "
                      f"submit-training-simple.sh --continue`)")
             return REQUEUE_FAILED
         _tell(f"stopped at step {step} of {final_step}, checkpoint committed; requeued job {target} ({why}): "

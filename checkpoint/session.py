@@ -33,6 +33,7 @@ from .errors import CheckpointError
 from .jit import JustInTime, NoJIT
 from .manager import CheckpointManager, RunFolder, SaveRecord
 from .mirror import Mirror
+from .naming import setting
 from .nodelocal import NodeLocal
 from .peer import Link, PeerCopy, buddies
 from .places import Places
@@ -313,7 +314,7 @@ class Session:
         identity = {"origin": str(self.root), "lineage": lineage, "job": slurm.job_id() or ""}
         order, why = buddies(nodes) if s.peer else ([], None)
         if why and self.rank.is_main:
-            _say(f"warning: --peer-checkpoint: {why}; the local tier goes on without a peer copy")
+            _say(f"warning: {setting('peer')}: {why}; the local tier goes on without a peer copy")
         tier = LocalTier(self.places.local.root, self.rank, leader=leader, identity=identity, keep=s.local_keep,
                          copies=2 if order else 1, generation=generation, setting=self.places.local.setting)
         if not order:
@@ -383,7 +384,7 @@ class Session:
     def _save_failed(self, error: CheckpointError, step: int) -> None:
         if self.settings.on_save_error == "stop":
             raise error
-        _say(f"warning: {error}; training continues (--on-save-error continue), the next save retries")
+        _say(f"warning: {error}; training continues ({setting('on_save_error', 'continue')}), the next save retries")
         self._failed_at = step
 
     def just_in_time(self, *, reseed: Callable[[int], None], ensure_logged: Callable[[int], None],

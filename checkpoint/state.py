@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .errors import CheckpointError
+from .naming import setting
 
 # torch.distributed.checkpoint's state_dict helpers (FSDP2, DTensor) are imported where they are used: importing them
 # costs ~1 s of every start, and a plain model (single process, DDP) needs them neither to save nor to resume.
@@ -195,7 +196,8 @@ def check_compatible(expected: dict[str, torch.Tensor], found: dict[str, torch.T
         if got is not None and tuple(got.shape) != tuple(tensor.shape):
             raise CheckpointError(
                 f"checkpoint does not fit this model: tensor {key!r} has shape {list(got.shape)} in the checkpoint "
-                f"but {list(tensor.shape)} in this model; use the --model preset and tokenizer it was saved with"
+                f"but {list(tensor.shape)} in this model; use the {setting('model')} preset and tokenizer it was saved "
+                "with"
             )
     missing = [k for k in expected if k not in found]
     extra = [k for k in found if k not in expected]
@@ -203,7 +205,7 @@ def check_compatible(expected: dict[str, torch.Tensor], found: dict[str, torch.T
         what = f"missing {missing[0]!r}" if missing else f"unexpected {extra[0]!r}"
         raise CheckpointError(
             f"checkpoint does not fit this model: {what} ({len(missing)} missing, {len(extra)} unexpected tensors); "
-            "was it saved with another --model preset or tokenizer?"
+            f"was it saved with another {setting('model')} preset or tokenizer?"
         )
 
 

@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from . import knobs, layout, nodetrust, route, storage
+from . import knobs, layout, naming, nodetrust, route, storage
 from .backends import RankInfo
 from .backends.torchfile import load_pieces, rank_file
 from .errors import CheckpointError
@@ -63,7 +63,7 @@ class LocalTier:
                  generation: int = 0, setting: str = ""):
         """``base``: the run's folder in the tier (places.Places.local); ``setting``: what names it, for messages."""
         base = Path(base)
-        self._flag, self._folder_checked = setting or f"--local-checkpoint-dir {base.parent}", False
+        self._flag, self._folder_checked = setting or naming.setting("local_dir", base.parent), False
         self.root = base / rank_dir_name(rank.rank)
         self._private()  # refused before anything is read from there
         self.leader_root = base / rank_dir_name(leader)
@@ -117,11 +117,11 @@ class LocalTier:
         need = (self.keep + 1) * nbytes * self.copies
         if need > free:
             raise CheckpointError(
-                f"--local-checkpoint-dir {self.root.parent.parent}: {free / MiB:.1f} MiB free, but this rank's part "
+                f"{naming.setting('local_dir', self.root.parent.parent)}: {free / MiB:.1f} MiB free, but this rank's part "
                 f"of a checkpoint is {'' if first_save else 'at least '}{nbytes / MiB:.1f} MiB and the local tier "
                 f"holds {self.keep} + 1 of them{' (and as many of a peer node)' if self.copies > 1 else ''} "
                 f"({need / MiB:.1f} MiB); give it more space (e.g. docker run --shm-size), point it at a larger "
-                "node-local disk, or lower --local-checkpoint-keep")
+                f"node-local disk, or lower {naming.setting('local_keep')}")
 
     def commit(self, step_dir: Path, step: int, files: dict[str, dict], *, backend: str, run_id: str, meta: dict,
                guard: Callable[[str], None]) -> Path:

@@ -16,6 +16,7 @@ import time
 from typing import Callable, Mapping
 
 from . import slurm
+from .naming import setting
 
 _log = logging.getLogger(__name__)
 
@@ -85,10 +86,10 @@ class DeadlineReader:
             else:
                 notes.append(source)
         if self.walltime_s:
-            candidates.append((self.start + self.walltime_s, f"--walltime {self.walltime_s:.0f}s"))
+            candidates.append((self.start + self.walltime_s, setting("when.walltime_s", f"{self.walltime_s:.0f}s")))
         self.reads += 1
         if not candidates:
-            why = "; ".join(notes) if notes else "not in a SLURM job and no --walltime"
+            why = "; ".join(notes) if notes else f"not in a SLURM job and no {setting('when.walltime_s')}"
             return None, why
         return min(candidates)
 

@@ -20,6 +20,17 @@ def _detach_log_lines():
     LogLines.detach_all()
 
 
+@pytest.fixture
+def train_spelling(monkeypatch):
+    """The checkpoint package's messages spelled as under train.py (its flags), for in-process tests of what a user of
+    train.py reads; restored afterwards (the package's own spelling is its settings' names)."""
+    from checkpoint import naming
+    import flags
+    monkeypatch.setattr(naming, "_NAMES", {})
+    monkeypatch.setattr(naming, "_VALUES", {})
+    flags.spell_settings()
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> str:
     """Path of the embedded default dataset (real Shakespeare + KJV text), with its token cache warmed up."""

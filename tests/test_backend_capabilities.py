@@ -58,7 +58,7 @@ def test_capabilities_table_is_the_classes_attributes():
     ("vanilla", {"checkpoint_dir": "s3://bucket/x", "local_tier": True, "jit": True},
      "--jit-checkpoint writes to a local --checkpoint-dir; it does not support s3://"),
 ])
-def test_refusals_are_derived_from_capabilities(name, kwargs, expected):
+def test_refusals_are_derived_from_capabilities(name, kwargs, expected, train_spelling):
     assert combination_refusal(name, **kwargs) == expected
     if expected is None:
         check_combination(name, **kwargs)

@@ -149,11 +149,11 @@ def test_deadline_sources_in_order_and_the_earliest_wins():
     assert reader() == (5000.0, "squeue (job 42)")  # ... then re-read from squeue (limits may change)
     assert calls == ["42"]
     reader = DeadlineReader({"SLURM_JOB_ID": "42"}, walltime_s=600, start=4000.0, query=query)
-    assert reader() == (4600.0, "--walltime 600s")  # earlier than squeue's
+    assert reader() == (4600.0, "when.walltime_s=600s")  # earlier than squeue's
     reader = DeadlineReader({}, walltime_s=600, start=100.0, query=query)
-    assert reader() == (700.0, "--walltime 600s")
+    assert reader() == (700.0, "when.walltime_s=600s")
     when, why = DeadlineReader({}, walltime_s=None, query=query)()
-    assert when is None and "no --walltime" in why
+    assert when is None and "no when.walltime_s" in why
     when, why = DeadlineReader({"SLURM_JOB_ID": "7"}, query=lambda j: (None, "squeue gave no end time (NONE)"))()
     assert when is None and "NONE" in why
 
@@ -332,7 +332,7 @@ def test_requeue_after_a_stop_array_aware_and_bounded(fake_scontrol, monkeypatch
     calls = len(fake_scontrol.read_text().splitlines())
     assert _stopped(job | {"SLURM_RESTART_COUNT": "3"}, log, RequeueSettings(max_restarts=3)).finish(40, 100) == \
         policy.STOPPED
-    assert log.has("already restarted 3 times (--max-restarts 3)")
+    assert log.has("already restarted 3 times (when.max_restarts=3)")
     assert _stopped(job, log, RequeueSettings(enabled=False)).finish(40, 100) == policy.STOPPED
     assert _stopped(job, log, vote=TERM).finish(40, 100) == policy.STOPPED
     assert _stopped(job, log, vote=WALLTIME).finish(100, 100) == policy.FINISHED  # complete: never requeue

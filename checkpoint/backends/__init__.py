@@ -15,6 +15,7 @@ import os
 
 from .. import storage
 from ..errors import CheckpointError
+from ..naming import setting
 from .base import ASYNC_ALWAYS, ASYNC_OPTIONAL, Backend, Capabilities, PayloadHandle, RankInfo
 
 #: backend name (as in manifest.json and --checkpoint-backend) -> "module:class" in this package
@@ -32,10 +33,6 @@ CAPABILITIES: dict[str, Capabilities] = {
 #: its limits are this backend's
 JIT_FORMAT = "vanilla"
 
-#: another spelling of ``--checkpoint-backend NAME`` on train.py's command line, named in the refusals
-_CLI_ALIASES = {"dcp": "--use-torch-distributed-ckpt"}
-
-
 def backend_class(name: str) -> type[Backend]:
     module, cls = BACKENDS[name].split(":")
     return getattr(importlib.import_module(f".{module}", __package__), cls)
@@ -49,8 +46,7 @@ def capabilities(name: str) -> Capabilities:
 
 
 def _how(able: list[str]) -> str:
-    return " or ".join(f"--checkpoint-backend {n}" + (f" (or {_CLI_ALIASES[n]})" if n in _CLI_ALIASES else "")
-                       for n in able)
+    return " or ".join(setting("backend", n) for n in able)
 
 
 def combination_refusal(name: str, *, sharded: bool = False, checkpoint_dir: str | os.PathLike | None = None,
@@ -67,25 +63,25 @@ def combination_refusal(name: str, *, sharded: bool = False, checkpoint_dir: str
     jit_caps = CAPABILITIES[JIT_FORMAT]
     able = lambda attr: [n for n, c in CAPABILITIES.items() if getattr(c, attr)]  # noqa: E731
     if sharded and not caps.sharded:
-        return (f"--parallel fsdp shards the model over ranks; save it with {_how(able('sharded'))}: the {name} backend "
+        return (f"{setting('sharded')} shards the model over ranks; save it with {_how(able('sharded'))}: the {name} backend "
                 "writes one full copy from rank 0 (convert a DCP checkpoint afterwards with "
                 "`python -m checkpoint convert SRC DST --to vanilla`)")
     if local_tier and caps.sharded:
         files = [n for n, c in CAPABILITIES.items() if not c.sharded]
-        return (f"--local-checkpoint-dir works with {_how(files)}; the {name} backend writes one collective metadata "
+        return (f"{setting('local_dir')} works with {_how(files)}; the {name} backend writes one collective metadata "
                 "file that no node holds alone")
     if remote and not caps.remote_ok and not local_tier:
-        return f"--checkpoint-dir {checkpoint_dir} is object storage: it needs {_how(able('remote_ok'))}"
+        return f"{setting('checkpoint_dir', checkpoint_dir)} is object storage: it needs {_how(able('remote_ok'))}"
     if jit and remote and not jit_caps.remote_ok:
-        return "--jit-checkpoint writes to a local --checkpoint-dir; it does not support s3://"
+        return f"{setting('jit')} writes to a local {setting('checkpoint_dir')}; it does not support s3://"
     if async_save and caps.asynchronous != ASYNC_OPTIONAL:
         optional = [n for n, c in CAPABILITIES.items() if c.asynchronous == ASYNC_OPTIONAL]
         always = [f"the {n} backend" for n, c in CAPABILITIES.items() if c.asynchronous == ASYNC_ALWAYS]
         tail = f"; {' and '.join(always)} {'is' if len(always) == 1 else 'are'} always asynchronous" if always else ""
-        return f"--async-checkpoint is for {_how(optional)}{tail}"
+        return f"{setting('async_save')} is for {_how(optional)}{tail}"
     if jit and sharded and not jit_caps.sharded:
-        return ("--jit-checkpoint needs every rank to hold the full state (DDP); with sharded (FSDP) state no survivor "
-                "can save it: drop --jit-checkpoint")
+        return (f"{setting('jit')} needs every rank to hold the full state (DDP); with sharded (FSDP) state no "
+                f"survivor can save it: drop {setting('jit')}")
     return None
 
 

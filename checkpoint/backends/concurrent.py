@@ -47,6 +47,7 @@ import torch
 
 from ..fsio import PAGE, MiB, ChecksumWriter, atomic_write, fsync_dir
 from ..knobs import fault_point, persist_delay_s
+from ..naming import setting
 from ..state import CheckpointState
 from .base import ASYNC_ALWAYS, Backend, PayloadHandle, RankInfo
 from .torchzip import FilePlan, Plan, plan_pieces
@@ -289,7 +290,7 @@ class ConcurrentBackend(Backend):
         self.writer_nice = writer_nice
         self.pipeline = pipeline  # False: the writer starts after the copy (less CPU/memory contention with the copy)
         if int(max_async) < 1:
-            raise ValueError(f"--max-async must be at least 1, got {max_async}")
+            raise ValueError(f"{setting('max_async')} must be at least 1, got {max_async}")
         if chunk_mib <= 0:
             raise ValueError(f"chunk size must be positive, got {chunk_mib} MiB")
         self.max_in_flight = int(max_async)

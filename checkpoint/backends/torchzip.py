@@ -26,6 +26,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..fsio import PAGE
+from ..naming import setting
 
 ALIGN = 64  # torch.save's storage alignment: every tensor starts on a 64-byte boundary, in the file and in the buffer
 
@@ -186,7 +187,7 @@ def _alias_key(t: torch.Tensor) -> tuple:
 def _check_stageable(t: torch.Tensor, where: str) -> None:
     if t.layout != torch.strided or t.dtype not in _STORAGE_CLASS or type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise CheckpointError(f"the concurrent backend cannot stage a {type(t).__name__} ({t.dtype}, {t.layout}) in {where}; "
-                        "use --checkpoint-backend vanilla for this state")
+                        f"use {setting('backend', 'vanilla')} for this state")
 
 
 def plan_pieces(pieces: dict[str, dict]) -> Plan:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..errors import CheckpointError
+from ..naming import setting
 from ..fsio import (CHECKSUM_ALGORITHM, ChecksumWriter, atomic_write, checksum_file, fsync_dir, io_mode,
                     make_dirs, open_regular, read_regular, read_verified)
 from .base import CHUNK, Medium
@@ -111,7 +112,7 @@ class Posix(Medium):
         except OSError as e:
             raise CheckpointError(
                 f"checkpoint directory {root} is not writable ({e.strerror or e}); free space or fix its permissions "
-                "there, or pass --checkpoint-dir pointing to a writable path") from None
+                f"there, or pass {setting('checkpoint_dir')} pointing to a writable path") from None
 
     def describe(self, root) -> str:
         return io_mode(Path(root))  # decided once per filesystem; every save and load then uses it

@@ -39,12 +39,13 @@ def test_two_shared_folders_get_two_local_folders(tmp_path):
 
 
 @pytest.mark.parametrize("changes, says", [
-    ({"peer": True}, "--peer-checkpoint needs --local-checkpoint-dir"),
+    ({"peer": True}, "^peer needs local_dir"),
     ({"local_dir": "s3://bucket/x"}, "must be a folder on each node"),
-    ({"local_dir": "{ck}"}, "must differ from --checkpoint-dir"),
-    ({"local_dir": "{shm}", "local_every": 3, "when": When(every_steps=10)}, "must be a multiple of"),
-    ({"local_dir": "{shm}", "local_keep": 0}, "--local-checkpoint-keep at least 1"),
-    ({"mirror_dir": "{ck}"}, "is the --checkpoint-dir itself"),
+    ({"local_dir": "{ck}"}, "^local_dir must differ from checkpoint_dir"),
+    ({"local_dir": "{shm}", "local_every": 3, "when": When(every_steps=10)},
+     "^when.every_steps=10 must be a multiple of local_every=3"),
+    ({"local_dir": "{shm}", "local_keep": 0}, "^local_every must be at least 0 and local_keep at least 1"),
+    ({"mirror_dir": "{ck}"}, "is the checkpoint_dir itself"),
 ])
 def test_a_place_that_cannot_work_is_one_line(tmp_path, changes, says):
     fill = {"ck": str(tmp_path / "ck"), "shm": str(tmp_path / "shm")}
