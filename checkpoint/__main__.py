@@ -19,6 +19,7 @@ the probe loss from the weights; `python hf.py export SRC OUT --to hf` writes a 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -301,7 +302,16 @@ def cmd_inspect(path: Path) -> int:
     return 0
 
 
+def _spell_as_train_py() -> None:
+    """This tool reads train.py's runs, and its users typed train.py's flags: the package's messages name those
+    (flags.SETTING_FLAGS) when train.py's modules are importable, as from the project's folder."""
+    front = importlib.import_module("flags") if importlib.util.find_spec("flags") is not None else None
+    if hasattr(front, "spell_settings"):
+        front.spell_settings()
+
+
 def main(argv: list[str] | None = None) -> int:
+    _spell_as_train_py()
     p = argparse.ArgumentParser(prog="python -m checkpoint", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from collections import OrderedDict
 import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -20,14 +21,21 @@ def _detach_log_lines():
     LogLines.detach_all()
 
 
+@pytest.fixture(autouse=True)
+def _package_spelling():
+    """Every test starts with the checkpoint package's own spelling of its settings: a front end run in-process
+    (train.py's or checkpoint's main registers its flags, checkpoint/naming.py) spells them for that test alone."""
+    yield
+    if (naming := sys.modules.get("checkpoint.naming")) is not None:
+        naming._NAMES.clear()
+        naming._VALUES.clear()
+
+
 @pytest.fixture
-def train_spelling(monkeypatch):
+def train_spelling():
     """The checkpoint package's messages spelled as under train.py (its flags), for in-process tests of what a user of
-    train.py reads; restored afterwards (the package's own spelling is its settings' names)."""
-    from checkpoint import naming
+    train.py reads."""
     import flags
-    monkeypatch.setattr(naming, "_NAMES", {})
-    monkeypatch.setattr(naming, "_VALUES", {})
     flags.spell_settings()
 
 

@@ -24,13 +24,7 @@ EXTRA_NAMES = {"resume", "model", "max_async"}
 OTHER_PROGRAMS = {"--shm-size", "--continue"}
 
 
-@pytest.fixture
-def library_spelling(monkeypatch):
-    monkeypatch.setattr(naming, "_NAMES", {})
-    monkeypatch.setattr(naming, "_VALUES", {})
-
-
-def test_the_library_names_its_settings(library_spelling):
+def test_the_library_names_its_settings():
     assert naming.setting("local_dir") == "local_dir"
     assert naming.setting("local_dir", "/dev/shm/x") == "local_dir=/dev/shm/x"
     assert naming.setting("requeue", False) == "requeue=False"
