@@ -366,7 +366,7 @@ NUMERIC_FLAGS: tuple[tuple[str, float, bool], ...] = (
 #: names the package's messages use for train.py's own choices (``resume``, ``model``, ``max_async``).
 SETTING_FLAGS = {
     "checkpoint_dir": "--checkpoint-dir", "experiment": "--experiment_name", "backend": "--checkpoint-backend",
-    "sharded": "--parallel fsdp", "async_save": "--async-checkpoint", "jit": "--jit-checkpoint",
+    "async_save": "--async-checkpoint", "jit": "--jit-checkpoint",
     "max_async": "--max-async", "mirror_dir": "--mirror-dir", "mirror_timeout_s": "--mirror-timeout",
     "force_takeover": "--force-takeover", "on_save_error": "--on-save-error", "local_dir": "--local-checkpoint-dir",
     "local_every": "--local-checkpoint-frequency", "local_keep": "--local-checkpoint-keep",
@@ -375,7 +375,10 @@ SETTING_FLAGS = {
 }
 #: ... and the settings whose value this command line spells as a whole (a switch, an alias)
 SETTING_VALUES = {
-    ("requeue", "True"): "--requeue", ("requeue", "False"): "--no-requeue",
+    ("when.requeue", "True"): "--requeue", ("when.requeue", "False"): "--no-requeue",
+    ("jit", "True"): "--jit-checkpoint",
+    ("peer", "True"): "--peer-checkpoint", ("force_takeover", "True"): "--force-takeover",
+    ("sharded", "True"): "--parallel fsdp",
     ("backend", "dcp"): "--checkpoint-backend dcp (or --use-torch-distributed-ckpt)",
 }
 

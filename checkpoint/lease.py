@@ -236,7 +236,7 @@ def _takeover_reason(holder: dict | None, mtime: float, me: dict, force: bool,
     if holder.get("released_unix"):
         return ""
     if force:
-        return f"{setting('force_takeover')} from {describe(holder)}"
+        return f"{setting('force_takeover', True)} from {describe(holder)}"
     if holder.get("slurm_job_id") and holder.get("slurm_job_id") == me["slurm_job_id"]:
         return f"requeued SLURM job {me['slurm_job_id']} (restart {me['slurm_restart_count']}) fences {describe(holder)}"
     if holder.get("host") == me["host"] and _proc_start(int(holder.get("pid") or 0)) != holder.get("pid_start"):
@@ -280,7 +280,7 @@ def _acquire(root: Path, force: bool, environ: Mapping[str, str], job_running: C
                 raise LeaseHeld(
                     f"{root} is in use by {describe(holder or {'generation': current})}, heartbeat {age:.0f}s ago: one "
                     f"writer per run directory; wait for it to finish, use another {setting('experiment')}, or pass "
-                    f"{setting('force_takeover')} if that run is dead (it is then fenced)")
+                    f"{setting('force_takeover', True)} if that run is dead (it is then fenced)")
             if why:
                 _log.info(f"run directory: taking over from {why}")
         record = {**me, "generation": current + 1, "token": uuid.uuid4().hex}

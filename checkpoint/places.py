@@ -92,8 +92,8 @@ class Places:
             if s.peer:
                 peer = Place(PEER, root / PEER_DIR, f"{local.setting} (peer copies)")
         elif s.peer:
-            raise CheckpointError(f"{setting('peer')} needs {setting('local_dir')}: the peer copy is a second copy of "
-                                  "the node-local tier's steps, on the next node")
+            raise CheckpointError(f"{setting('peer', True)} needs {setting('local_dir')}: the peer copy is a second "
+                                  "copy of the node-local tier's steps, on the next node")
         return cls(shared, local, peer, mirror)
 
     @property
@@ -140,9 +140,9 @@ def _mirror_refusal(checkpoint_dir: str, mirror_dir: str, experiment: str) -> st
     in_primary, in_mirror = storage.within(m_root, p_root), storage.within(p_root, m_root)
     if in_primary and in_mirror:
         alias = "" if primary == mirror else f" under another name (run folders {primary} and {mirror})"
-        return (f"{setting('mirror_dir', mirror_dir)} is the {setting('checkpoint_dir')} itself{alias}; give the mirror another location "
-                "(e.g. the shared filesystem or s3://bucket/prefix)")
+        return (f"{setting('mirror_dir', mirror_dir)} is the {setting('checkpoint_dir')} itself{alias}; give the "
+                "mirror another location (e.g. the shared filesystem or s3://bucket/prefix)")
     if in_primary or in_mirror:
-        return (f"{setting('mirror_dir', mirror_dir)} and {setting('checkpoint_dir', checkpoint_dir)} hold one another (run folders "
-                f"{primary} and {mirror}); give the mirror a separate location")
+        return (f"{setting('mirror_dir', mirror_dir)} and {setting('checkpoint_dir', checkpoint_dir)} hold one another "
+                f"(run folders {primary} and {mirror}); give the mirror a separate location")
     return None

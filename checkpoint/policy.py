@@ -403,12 +403,12 @@ class StepBoundary:
         if self.stopped is not None and self.stopped.vote == TERM:
             return False, "stopped by SIGTERM (SLURM is ending the job: time limit, preemption or scancel)"
         if r.enabled is False:
-            return False, setting("requeue", False)
+            return False, setting("when.requeue", False)
         if not slurm.in_job(self.environ):
             return False, "not running in a SLURM job"
         if r.enabled is None and slurm.in_array(self.environ):
             return False, ("job array task: the next array task resumes from `latest` (pass "
-                           f"{setting('requeue', True)} to requeue this task instead)")
+                           f"{setting('when.requeue', True)} to requeue this task instead)")
         restarts = slurm.restart_count(self.environ)
         if restarts >= r.max_restarts:
             return False, f"already restarted {restarts} times ({setting('when.max_restarts', r.max_restarts)})"

@@ -314,7 +314,7 @@ class Session:
         identity = {"origin": str(self.root), "lineage": lineage, "job": slurm.job_id() or ""}
         order, why = buddies(nodes) if s.peer else ([], None)
         if why and self.rank.is_main:
-            _say(f"warning: {setting('peer')}: {why}; the local tier goes on without a peer copy")
+            _say(f"warning: {setting('peer', True)}: {why}; the local tier goes on without a peer copy")
         tier = LocalTier(self.places.local.root, self.rank, leader=leader, identity=identity, keep=s.local_keep,
                          copies=2 if order else 1, generation=generation, setting=self.places.local.setting)
         if not order:

@@ -117,8 +117,8 @@ class LocalTier:
         need = (self.keep + 1) * nbytes * self.copies
         if need > free:
             raise CheckpointError(
-                f"{naming.setting('local_dir', self.root.parent.parent)}: {free / MiB:.1f} MiB free, but this rank's part "
-                f"of a checkpoint is {'' if first_save else 'at least '}{nbytes / MiB:.1f} MiB and the local tier "
+                f"{naming.setting('local_dir', self.root.parent.parent)}: {free / MiB:.1f} MiB free, but this rank's "
+                f"part of a checkpoint is {'' if first_save else 'at least '}{nbytes / MiB:.1f} MiB and the local tier "
                 f"holds {self.keep} + 1 of them{' (and as many of a peer node)' if self.copies > 1 else ''} "
                 f"({need / MiB:.1f} MiB); give it more space (e.g. docker run --shm-size), point it at a larger "
                 f"node-local disk, or lower {naming.setting('local_keep')}")

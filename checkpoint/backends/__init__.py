@@ -63,8 +63,8 @@ def combination_refusal(name: str, *, sharded: bool = False, checkpoint_dir: str
     jit_caps = CAPABILITIES[JIT_FORMAT]
     able = lambda attr: [n for n, c in CAPABILITIES.items() if getattr(c, attr)]  # noqa: E731
     if sharded and not caps.sharded:
-        return (f"{setting('sharded')} shards the model over ranks; save it with {_how(able('sharded'))}: the {name} backend "
-                "writes one full copy from rank 0 (convert a DCP checkpoint afterwards with "
+        return (f"{setting('sharded', True)} shards the model over ranks; save it with {_how(able('sharded'))}: the "
+                f"{name} backend writes one full copy from rank 0 (convert a DCP checkpoint afterwards with "
                 "`python -m checkpoint convert SRC DST --to vanilla`)")
     if local_tier and caps.sharded:
         files = [n for n, c in CAPABILITIES.items() if not c.sharded]
@@ -73,15 +73,15 @@ def combination_refusal(name: str, *, sharded: bool = False, checkpoint_dir: str
     if remote and not caps.remote_ok and not local_tier:
         return f"{setting('checkpoint_dir', checkpoint_dir)} is object storage: it needs {_how(able('remote_ok'))}"
     if jit and remote and not jit_caps.remote_ok:
-        return f"{setting('jit')} writes to a local {setting('checkpoint_dir')}; it does not support s3://"
+        return f"{setting('jit', True)} writes to a local {setting('checkpoint_dir')}; it does not support s3://"
     if async_save and caps.asynchronous != ASYNC_OPTIONAL:
         optional = [n for n, c in CAPABILITIES.items() if c.asynchronous == ASYNC_OPTIONAL]
         always = [f"the {n} backend" for n, c in CAPABILITIES.items() if c.asynchronous == ASYNC_ALWAYS]
         tail = f"; {' and '.join(always)} {'is' if len(always) == 1 else 'are'} always asynchronous" if always else ""
         return f"{setting('async_save')} is for {_how(optional)}{tail}"
     if jit and sharded and not jit_caps.sharded:
-        return (f"{setting('jit')} needs every rank to hold the full state (DDP); with sharded (FSDP) state no "
-                f"survivor can save it: drop {setting('jit')}")
+        return (f"{setting('jit', True)} needs every rank to hold the full state (DDP); with sharded (FSDP) state no "
+                f"survivor can save it: drop {setting('jit', True)}")
     return None
 
 

@@ -27,14 +27,16 @@ OTHER_PROGRAMS = {"--shm-size", "--continue"}
 def test_the_library_names_its_settings():
     assert naming.setting("local_dir") == "local_dir"
     assert naming.setting("local_dir", "/dev/shm/x") == "local_dir=/dev/shm/x"
-    assert naming.setting("requeue", False) == "requeue=False"
+    assert naming.setting("when.requeue", False) == "when.requeue=False"
+    with pytest.raises(CheckpointError, match="^peer=True needs local_dir"):
+        Places.of(Settings(checkpoint_dir="/tmp/x", peer=True))
     with pytest.raises(CheckpointError, match="^local_dir must differ from checkpoint_dir"):
         Places.of(Settings(checkpoint_dir="/tmp/x", local_dir="/tmp/x"))
 
 
 def test_train_py_reads_its_flags(train_spelling):
     assert naming.setting("local_dir", "/dev/shm/x") == "--local-checkpoint-dir /dev/shm/x"
-    assert naming.setting("requeue", False) == "--no-requeue"  # a switch is spelled whole
+    assert naming.setting("when.requeue", False) == "--no-requeue"  # a switch is spelled whole
     assert naming.setting("backend", "dcp") == "--checkpoint-backend dcp (or --use-torch-distributed-ckpt)"
     assert naming.setting("backend", "vanilla") == "--checkpoint-backend vanilla"
     with pytest.raises(CheckpointError, match="^--local-checkpoint-dir must differ from --checkpoint-dir"):
@@ -46,7 +48,8 @@ def test_train_py_reads_its_flags(train_spelling):
 
 def test_every_mapped_setting_exists_and_every_flag_is_train_pys():
     fields = {f.name for f in dataclasses.fields(Settings)} | {f"when.{f.name}" for f in dataclasses.fields(When)}
-    assert set(flags.SETTING_FLAGS) - fields <= EXTRA_NAMES, set(flags.SETTING_FLAGS) - fields - EXTRA_NAMES
+    names = set(flags.SETTING_FLAGS) | {name for name, _ in flags.SETTING_VALUES}
+    assert names - fields <= EXTRA_NAMES, names - fields - EXTRA_NAMES
     accepted = set(flags.build_parser()._option_string_actions)
     spelled = list(flags.SETTING_FLAGS.values()) + list(flags.SETTING_VALUES.values())
     unknown = {f for s in spelled for f in re.findall(r"--[a-z][a-z0-9_-]+", s)} - accepted

@@ -39,7 +39,7 @@ def test_two_shared_folders_get_two_local_folders(tmp_path):
 
 
 @pytest.mark.parametrize("changes, says", [
-    ({"peer": True}, "^peer needs local_dir"),
+    ({"peer": True}, "^peer=True needs local_dir"),
     ({"local_dir": "s3://bucket/x"}, "must be a folder on each node"),
     ({"local_dir": "{ck}"}, "^local_dir must differ from checkpoint_dir"),
     ({"local_dir": "{shm}", "local_every": 3, "when": When(every_steps=10)},
