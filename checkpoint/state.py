@@ -171,7 +171,7 @@ def _by_position(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved
 
 def _by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
     """A plain model's optimizer state keyed by parameter name, as DCP's ``get_optimizer_state_dict`` returns it (the
-    same keys, order and tensors: tests/test_state_plain.py), without importing DCP. None before the first step, whose
+    same keys, order and tensors: tests/unit/test_state.py), without importing DCP. None before the first step, whose
     missing state DCP's helper creates by a zero-gradient step (then it decides)."""
     if not optimizer.state:
         return None

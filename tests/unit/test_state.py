@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import PY, ROOT, assert_same_tree  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
@@ -61,8 +61,8 @@ def test_a_fresh_optimizer_still_goes_through_dcp():
 def test_a_plain_round_trip_never_imports_dcp():
     code = f"""
 import sys, torch
-sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / 'tests')!r})
-from test_state_plain import trained
+sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / 'tests' / 'unit')!r})
+from test_state import trained
 from checkpoint.state import ModelState, OptimizerState
 model, opt = trained(False, True)
 m, o = ModelState(model).state_dict(), OptimizerState(model, opt).state_dict()
