@@ -186,8 +186,9 @@ def test_ctrl_c_during_setup_exits_at_once(tmp_path, corpus):
     assert "interrupted (SIGINT) before training started: nothing to save yet" in out
 
 
-def test_sigint_in_the_loop_is_save_and_stop_without_requeue():
-    """The policy itself, in process: SIGINT votes like SIGTERM, and is not requeued even in a SLURM job."""
+def test_sigint_in_the_loop_is_save_and_stop_without_requeue(train_spelling):
+    """The policy itself, in process: SIGINT votes like SIGTERM, and is not requeued even in a SLURM job (its line as
+    train.py words it)."""
     from checkpoint import policy
 
     kept = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)}
