@@ -366,19 +366,17 @@ NUMERIC_FLAGS: tuple[tuple[str, float, bool], ...] = (
 #: names the package's messages use for train.py's own choices (``resume``, ``model``, ``max_async``).
 SETTING_FLAGS = {
     "checkpoint_dir": "--checkpoint-dir", "experiment": "--experiment_name", "backend": "--checkpoint-backend",
-    "async_save": "--async-checkpoint", "jit": "--jit-checkpoint",
+    "sharded": "--parallel fsdp", "async_save": "--async-checkpoint", "jit": "--jit-checkpoint",
     "max_async": "--max-async", "mirror_dir": "--mirror-dir", "mirror_timeout_s": "--mirror-timeout",
     "force_takeover": "--force-takeover", "on_save_error": "--on-save-error", "local_dir": "--local-checkpoint-dir",
     "local_every": "--local-checkpoint-frequency", "local_keep": "--local-checkpoint-keep",
     "peer": "--peer-checkpoint", "when.every_steps": "--checkpoint-frequency", "when.walltime_s": "--walltime",
-    "when.max_restarts": "--max-restarts", "resume": "--resume-from-checkpoint", "model": "--model",
+    "when.max_restarts": "--max-restarts", "when.requeue": "--requeue", "resume": "--resume-from-checkpoint",
+    "model": "--model",
 }
-#: ... and the settings whose value this command line spells as a whole (a switch, an alias)
+#: ... and the values this command line spells otherwise than flag and value (a switch that is on is its flag alone)
 SETTING_VALUES = {
-    ("when.requeue", "True"): "--requeue", ("when.requeue", "False"): "--no-requeue",
-    ("jit", "True"): "--jit-checkpoint",
-    ("peer", "True"): "--peer-checkpoint", ("force_takeover", "True"): "--force-takeover",
-    ("sharded", "True"): "--parallel fsdp",
+    ("when.requeue", "False"): "--no-requeue",
     ("backend", "dcp"): "--checkpoint-backend dcp (or --use-torch-distributed-ckpt)",
 }
 
@@ -386,6 +384,7 @@ SETTING_VALUES = {
 def spell_settings() -> None:
     """From here on, the checkpoint package's messages name this command line's flags (train.py calls it first)."""
     naming.spell_as(SETTING_FLAGS, SETTING_VALUES)
+
 
 def check_flags(args: argparse.Namespace, *, writes_csv: bool = True) -> None:
     """Everything wrong with the flags that needs nothing loaded, one line each: numbers, combinations, paths.

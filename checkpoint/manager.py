@@ -244,12 +244,12 @@ class CheckpointManager:
         except OSError:
             pass
 
-    def _io_error(self, step: int, e: OSError, where=None, names: str = "checkpoint_dir") -> CheckpointError:
+    def _io_error(self, step: int, e: OSError, where=None, setting_name: str = "checkpoint_dir") -> CheckpointError:
         where = where or self.root
         if is_disk_full(e):
             return CheckpointError(
                 f"saving step {step} to {where} failed: no space left on device; free space or point "
-                f"{setting(names)} elsewhere (the previous checkpoint is intact)"
+                f"{setting(setting_name)} elsewhere (the previous checkpoint is intact)"
             )
         return CheckpointError(f"saving step {step} to {where} failed: {e.strerror or e} ({e.filename or ''})")
 

@@ -63,7 +63,7 @@ class LocalTier:
                  generation: int = 0, setting: str = ""):
         """``base``: the run's folder in the tier (places.Places.local); ``setting``: what names it, for messages."""
         base = Path(base)
-        self._flag, self._folder_checked = setting or naming.setting("local_dir", base.parent), False
+        self._setting, self._folder_checked = setting or naming.setting("local_dir", base.parent), False
         self.root = base / rank_dir_name(rank.rank)
         self._private()  # refused before anything is read from there
         self.leader_root = base / rank_dir_name(leader)
@@ -83,7 +83,7 @@ class LocalTier:
         if self._folder_checked:
             return
         try:
-            nodetrust.private_folder(self.root.parent, self._flag)
+            nodetrust.private_folder(self.root.parent, self._setting)
         except nodetrust.Untrusted as e:
             raise CheckpointError(str(e)) from None
         self._folder_checked = True
@@ -117,7 +117,7 @@ class LocalTier:
         need = (self.keep + 1) * nbytes * self.copies
         if need > free:
             raise CheckpointError(
-                f"{naming.setting('local_dir', self.root.parent.parent)}: {free / MiB:.1f} MiB free, but this rank's "
+                f"{self._setting}: {free / MiB:.1f} MiB free, but this rank's "
                 f"part of a checkpoint is {'' if first_save else 'at least '}{nbytes / MiB:.1f} MiB and the local tier "
                 f"holds {self.keep} + 1 of them{' (and as many of a peer node)' if self.copies > 1 else ''} "
                 f"({need / MiB:.1f} MiB); give it more space (e.g. docker run --shm-size), point it at a larger "

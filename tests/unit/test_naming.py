@@ -36,7 +36,9 @@ def test_the_library_names_its_settings():
 
 def test_train_py_reads_its_flags(train_spelling):
     assert naming.setting("local_dir", "/dev/shm/x") == "--local-checkpoint-dir /dev/shm/x"
-    assert naming.setting("when.requeue", False) == "--no-requeue"  # a switch is spelled whole
+    assert naming.setting("peer", True) == "--peer-checkpoint"  # a switch that is on: its flag alone
+    assert naming.setting("when.requeue", False) == "--no-requeue"  # ... off: its own flag
+    assert naming.setting("sharded", True) == "--parallel fsdp"
     assert naming.setting("backend", "dcp") == "--checkpoint-backend dcp (or --use-torch-distributed-ckpt)"
     assert naming.setting("backend", "vanilla") == "--checkpoint-backend vanilla"
     with pytest.raises(CheckpointError, match="^--local-checkpoint-dir must differ from --checkpoint-dir"):
