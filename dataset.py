@@ -60,6 +60,7 @@ import xxhash
 
 from checkpoint import knobs
 from checkpoint.fsio import atomic_file  # the one implementation of tmp + fsync + rename + fsync-dir
+from datapaths import check_exists as _check_exists, check_val_exists, is_sharded  # stdlib only: train.py's flags
 from tokenizer import (DEFAULT_TOKENIZER, TOKENIZER_NAMES, DataError, Tokenizer, brief_error, load_tokenizer,
                        num_threads, package_dir, set_num_threads, sha16)
 
@@ -146,15 +147,6 @@ def _open_data(path: Path, column: str = DEFAULT_COLUMN):
         return _Parquet(path, column)  # _open_parquet checks that the file is there
     _check_exists(path)
     return _JsonLines(path, column)
-
-
-def _check_exists(path: Path) -> None:
-    if not path.exists():
-        raise DataError(f"data file {path} does not exist; pass --dataset PATH or create the default one with: "
-                        f"python dataset.py build-default --output {path}")
-    if path.is_dir():
-        raise DataError(f"data path {path} is a directory; pass it as --dataset to train on its *.parquet or *.jsonl "
-                        "shards")
 
 
 def _open_parquet(path: Path, column: str = DEFAULT_COLUMN):
@@ -607,10 +599,8 @@ def load_val_windows(spec: str, tokenizer: Tokenizer, seq_len: int, *, cache_dir
     tokenizer, sequence length, text column and token caches. Never pinned to a checkpoint's shards: it does not change
     training."""
     try:
+        check_val_exists(spec)
         if not is_sharded(spec):
-            if not Path(spec).exists():
-                raise DataError(f"--val-dataset {spec} does not exist; give a parquet file, a folder of them or a "
-                                "quoted glob")
             return load_token_windows(spec, tokenizer, seq_len, cache_dir=cache_dir, column=column)
         return load_sharded_windows(spec, tokenizer, seq_len, cache_dir=cache_dir, rank=rank, world_size=world_size,
                                     exchange=exchange, column=column)
@@ -664,11 +654,6 @@ def fingerprint(*parts: np.ndarray, budget: int = 256 << 20, column: str = DEFAU
 # dropped, as for one file). Global window i is local window i - start[k] of shard k, start = cumulative window
 # counts, so the loader sees one index space and its order, state dict and resume are those of a single file. Every
 # shard is memory-mapped: what a process holds beyond the page cache is the offsets array, not the corpus.
-
-
-def is_sharded(spec: str | os.PathLike) -> bool:
-    """Whether ``--dataset`` names several shards: a folder, or a glob pattern (quoted on the command line)."""
-    return glob.has_magic(str(spec)) or Path(spec).is_dir()
 
 
 def list_shards(spec: str | os.PathLike) -> tuple[Path, list[Path]]:

@@ -23,8 +23,11 @@ import torch.distributed as dist
 from checkpoint import slurm
 from checkpoint.backends.base import RankInfo
 from procs import die_with_parent  # stdlib only
+from devices import DEVICES, DTYPE_NAMES  # noqa: F401 - DEVICES re-exported; the names, stdlib only
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+if tuple(DTYPES) != DTYPE_NAMES:  # the names flags.py offers before torch loads are these
+    raise ImportError(f"devices.py lists {DTYPE_NAMES}, distributed.DTYPES {tuple(DTYPES)}")
 
 
 class LaunchError(Exception):
@@ -101,7 +104,6 @@ def cuda_device_index(local_rank: int, local_world_size: int, visible: int, cuda
         f"node's GPUs (one rank per GPU), or start as many ranks per node as there are GPUs")
 
 
-DEVICES = ("auto", "cuda", "cpu")  # --device
 _NO_GPUS = ("", "-1", "none", "nodevfiles")  # CUDA_VISIBLE_DEVICES values that hide every GPU (SLURM: NoDevFiles)
 
 

@@ -2,6 +2,10 @@
 
 Also the rules for flags that differ from the checkpoint's on resume (docs/checkpointing.md "Changing flags on
 resume"): which take effect from the resumed step and which are refused.
+
+Imports the stdlib and torch-free modules only (presets, devices, tokenizer's names, the checkpoint package's naming,
+walltime, policy and backend_names): train.py parses and checks its flags with this module before it imports torch,
+so --help, --version and a mistyped flag answer in a fraction of torch's import time.
 """
 
 from __future__ import annotations
@@ -16,19 +20,25 @@ import re
 import reprlib
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-import distributed
-from checkpoint import RunInfo, naming
+from checkpoint import naming
 from checkpoint import policy as stop_policy
-from checkpoint.backends import BACKENDS
+from checkpoint.backend_names import BACKEND_NAMES
 from checkpoint.walltime import parse_walltime
-from dataset import DEFAULT_TOKENIZER
-from tokenizer import folder_tokenizer
-from model import ACTIVATION_CHECKPOINTING, PRESETS
+from devices import DEVICES, DTYPE_NAMES
+from tokenizer import DEFAULT_TOKENIZER, folder_tokenizer
+from presets import ACTIVATION_CHECKPOINTING, PRESETS
 from badinput import BadInput  # noqa: F401 - raised here, and flags.BadInput is what callers catch
+from datapaths import check_exists, check_val_exists, is_sharded
 import schedules
+
+if TYPE_CHECKING:
+    import torch
+
+    from checkpoint import RunInfo
+
+VERSION = "0.1.0"  # pyproject.toml's; train.py's __version__, which every checkpoint's card records
 
 def _signal_flag(text: str) -> str:
     try:
@@ -130,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         action.shown_names = (name, *more)  # --help lists these, not the other spelling (_HelpFormatter)
         return action
 
+    p.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")
     flag("--config", default=None, metavar="FILE",
          help="read flags from a TOML (.toml), YAML (.yaml/.yml) or JSON (.json) file: keys are flag names (either "
               "spelling, dashes optional), values as on the command line (true/false for switches); flags given on "
@@ -180,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
          help="micro-batches of --batch-size per optimizer step (global batch = batch-size x N x ranks)")
     flag("--training-steps", type=int, default=300, help="total optimizer steps")
     flag("--grad-max-norm", type=float, default=1.0, help="clip the global gradient norm to this (0 = off)")
-    flag("--model-dtype", default="auto", choices=["auto", *sorted(distributed.DTYPES)],
+    flag("--model-dtype", default="auto", choices=["auto", *sorted(DTYPE_NAMES)],
          help="bf16/fp16: autocast with fp32 weights; fp32/fp64: everything in that dtype; auto: bf16 on a GPU (fp32 "
               "where the GPU has no bf16), fp32 on CPU -- resolved at start, the checkpoint records the dtype used")
     flag("--fused-optimizer", action="store_true", help="use the fused AdamW kernel")
@@ -202,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
          help="timeout of collectives in the training loop (setup keeps 600 s): how long a hung rank goes unnoticed; "
               "must exceed the longest blocking save. Default: 600")
     flag("--distributed", action="store_true", help="data-parallel over torchrun or srun ranks (NCCL on GPU, gloo on CPU)")
-    flag("--device", default="auto", choices=list(distributed.DEVICES),
+    flag("--device", default="auto", choices=list(DEVICES),
          help="auto: CUDA when torch can use it, else CPU -- but a SLURM job given GPUs (SLURM_GPUS_ON_NODE, "
               "CUDA_VISIBLE_DEVICES) that torch cannot use is refused; cuda: refused without a usable GPU; cpu: "
               "always. May change on resume (the dtype auto resolves to may not)")
@@ -228,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--checkpoint-frequency", type=int, default=100, help="save every N steps (0 = only at the end)")
     flag("--resume-from-checkpoint", default=None, metavar="latest|STEP|PATH",
          help="resume: `latest` (newest verified checkpoint; starts fresh if there is none), a step, or a path")
-    flag("--checkpoint-backend", default="vanilla", choices=list(BACKENDS),
+    flag("--checkpoint-backend", default="vanilla", choices=list(BACKEND_NAMES),
          help="how checkpoint bytes are written (concurrent: snapshot to host buffers, persist in the background)")
     flag("--max-async", type=int, default=2, metavar="N",
          help="concurrent backend: checkpoints persisting at once (= host buffer sets of the state's size)")
@@ -403,6 +414,15 @@ def check_flags(args: argparse.Namespace, *, writes_csv: bool = True) -> None:
     if args.model not in PRESETS and not os.path.isfile(args.model):
         raise BadInput(f"--model: {_model_problem(args.model)}")
     check_schedule(args)
+
+
+def check_data_paths(args: argparse.Namespace) -> None:
+    """--dataset and --val-dataset, where each names one file, are there (DataError: the loaders' line); what is in
+    them is read later, by the loaders (the shards of a folder or glob too)."""
+    if not is_sharded(args.dataset):
+        check_exists(Path(args.dataset))
+    if args.val_dataset is not None:
+        check_val_exists(args.val_dataset)
 
 
 def check_schedule(args: argparse.Namespace) -> None:
@@ -749,7 +769,7 @@ def load_config(parser: argparse.ArgumentParser, path: str) -> dict:
         for key, value in _read_config_file(path):
             option = "--" + str(key).lstrip("-")
             action = parser._option_string_actions.get(option)  # exact names only: no prefix matching in a file
-            if action is None or action.dest in (argparse.SUPPRESS, "config", "help"):
+            if action is None or action.dest in (argparse.SUPPRESS, "config", "help", "version"):
                 why = "cannot name another config file" if action is not None and action.dest == "config" else \
                     "is not a flag of train.py (see --help)"
                 raise BadInput(f"--config {path}: key {_quote(key)} {why}")

@@ -22,9 +22,10 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported where arrays are made: train.py's flags read this module before torch and numpy
+    import numpy as np
 
 __all__ = ["DataError", "DEFAULT_TOKENIZER", "TOKENIZER_NAMES", "Tokenizer", "load_tokenizer"]
 
@@ -116,6 +117,8 @@ class Tokenizer(abc.ABC):
 
     def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
         """Like encode_batch but one uint32 array per text (override when the library can do it faster)."""
+        import numpy as np
+
         return [np.asarray(ids, dtype=np.uint32) for ids in self.encode_batch(texts)]
 
     def pieces(self) -> list[str | None] | None:
@@ -222,6 +225,8 @@ class TekkenTokenizer(Tokenizer):
         self._batch = getattr(inner, "encode_ordinary_batch", None)
 
     def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        import numpy as np
+
         if self._batch is None:
             return [np.asarray(self._tek.encode(t, bos=False, eos=False), dtype=np.uint32) for t in texts]
         raw = self._batch(list(texts), num_threads=num_threads())

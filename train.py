@@ -25,11 +25,12 @@ import sys
 import time
 from pathlib import Path
 
+_PARSED: argparse.Namespace | None = None  # the flags train.py's first lines parsed, run as a program (main takes them)
 if __name__ == "__main__":
     # SLURM's warning signal can come while the imports below run (seconds; tens on a busy node), and its default
     # action kills the process: hold USR1/USR2 pending until the stop policy's handlers exist (SignalWatcher.install
     # releases them, and a held signal is delivered to the handler then).
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})  # policy.HELD_SIGNALS; it imports torch
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})  # policy.HELD_SIGNALS, before any import
     # Ctrl-C or SIGTERM during the imports: nothing to save yet -- one line and 128 + the signal as SignalWatcher does
     # later (its handlers replace these), no traceback.
     def _nothing_to_save(signum: int, _frame) -> None:
@@ -51,6 +52,27 @@ if __name__ == "__main__":
         if _code is not None:  # None: no standby listening, a cold start
             os._exit(_code)
 
+    # The flags before torch (flags.py imports none of it): --help, --version and every refusal that needs nothing
+    # loaded -- a bad flag, value or combination, a missing file, a bad --config file -- answer in a fraction of the
+    # imports' time below. main() takes these flags: parsed once. (A warm standby, asked first, parses them itself.)
+    def _flags_first() -> argparse.Namespace:
+        from flags import BadInput, check_data_paths, check_flags, parse_args, spell_settings
+        from tokenizer import DataError
+
+        spell_settings()  # the checkpoint package's refusals name this command line's flags
+        args = parse_args()  # --help, --version, a usage error: exits here
+        rank = next((int(v) for v in (os.environ.get("RANK"), os.environ.get("SLURM_PROCID")) if v and v.isdigit()),
+                    0) if args.distributed else 0
+        try:
+            check_flags(args, writes_csv=rank == 0)  # preflight checks them again (in-process callers of main)
+            check_data_paths(args)
+        except (BadInput, DataError) as e:  # one line, as preflight's refusals (rank > 0 names itself), exit 2
+            print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        return args
+
+    _PARSED = _flags_first()
+
 _PARENT_AT_START = os.getppid()  # a torchrun rank's launcher (distributed.follow_launcher), before it could have died
 _T_IMPORTS = time.monotonic()  # the heavy imports start here (the recovery line reports how long a restart took)
 import numpy as np
@@ -69,7 +91,7 @@ from evaluation import (EVAL_BATCH, CardMaker, Evaluator, batch_loss, check_pred
                         run_layout)
 from flags import (BadInput, apply_resume_flags, build_parser, check_flags, check_numeric_flags,  # noqa: F401 (tests)
                    check_resume_flags, parse_args, RESOLVED_CONFIG, resolved_config, schedule_warning,
-                   spell_settings)
+                   spell_settings, VERSION)
 from hf import model_config_from_hf, read_hf  # Hugging Face Llama <-> model.py names (one table)
 from metrics import VAL_CSV, Metrics, device_peak_flops, started_at, val_csv_path
 import schedules
@@ -80,7 +102,7 @@ from model import (PRESETS, MemoryEstimate, ModelConfig, Transformer, estimate_p
 _T_IMPORTED = time.monotonic()
 log = logging.getLogger("pyrecover")  # rank 0's lines; extra=EVERY_RANK for every rank's (checkpoint/logs.py)
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 # Exit codes (README "Exit codes"; submit-training-simple.sh acts on them). 3-5: stopped early with the state saved (a
 # checkpoint committed): resuming from `latest` loses nothing.
@@ -837,9 +859,11 @@ def check_everything(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global _PARSED
     distributed.follow_launcher(_PARENT_AT_START)  # before anything else: a rank must not outlive its torchrun
     spell_settings()  # the checkpoint package's refusals name this command line's flags
-    args = parse_args(argv)
+    args = _PARSED if argv is None and _PARSED is not None else parse_args(argv)
+    _PARSED = None  # taken once
     if args.check:  # the pre-flight checks alone: no process group, no signal handlers, nothing written
         return check_only(args)
     started = time.time()  # --walltime counts from here

@@ -91,7 +91,8 @@ def test_config_file_round_trip(tmp_path, corpus, kind):
     assert resolved["training_steps"] == 2 and resolved["model"] == "tiny"
     assert "config" not in resolved
     # every flag has its final value there, a flag added to build_parser later included
-    assert set(resolved) == {a.dest for a in flags.build_parser()._actions if a.dest not in ("help", "config")}
+    assert set(resolved) == {a.dest for a in flags.build_parser()._actions
+                             if a.dest not in ("help", "version", "config")}
 
     step = run / "step-00000002"
     card = _card(step)
@@ -122,6 +123,7 @@ def test_config_file_round_trip(tmp_path, corpus, kind):
 
 @pytest.mark.parametrize("content, suffix, wanted", [
     ("learnin_rate = 0.1\n", ".toml", ["'learnin_rate'", "is not a flag"]),
+    ("version = true\n", ".toml", ["'version'", "is not a flag"]),  # not an exit with the version
     ("learning_rate = 'fast'\n", ".toml", ["'learning_rate'", "invalid float value: 'fast'"]),
     ("learning_rate = -1\n", ".toml", ["--learning-rate -1", "out of range"]),
     ("model = 'huge'\n", ".toml", ["'model'", "invalid choice: 'huge'"]),

@@ -14,6 +14,7 @@ import importlib
 import os
 
 from .. import storage
+from ..backend_names import BACKEND_NAMES
 from ..errors import CheckpointError
 from ..naming import setting
 from .base import ASYNC_ALWAYS, ASYNC_OPTIONAL, Backend, Capabilities, PayloadHandle, RankInfo
@@ -21,6 +22,8 @@ from .base import ASYNC_ALWAYS, ASYNC_OPTIONAL, Backend, Capabilities, PayloadHa
 #: backend name (as in manifest.json and --checkpoint-backend) -> "module:class" in this package
 BACKENDS: dict[str, str] = {"vanilla": "vanilla:VanillaBackend", "concurrent": "concurrent:ConcurrentBackend",
                             "dcp": "dcp:DCPBackend"}
+if tuple(BACKENDS) != BACKEND_NAMES:  # the names flags.py offers before torch loads are these
+    raise ImportError(f"checkpoint/backend_names.py lists {BACKEND_NAMES}, the registry {tuple(BACKENDS)}")
 
 #: backend name -> its capabilities (= the class attributes of the same names; see base.Backend for their meaning)
 CAPABILITIES: dict[str, Capabilities] = {
