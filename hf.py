@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -23,25 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from checkpoint import fsio, layout, logs, storage
 from checkpoint.errors import CheckpointError, first_line
-from checkpoint.reader import flatten, locate, section_reader
-
-_log = logging.getLogger("pyrecover.hf")  # a root logs.setup configures
 
 FORMATS = ("hf",)
 DEFAULT_MAX_SHARD_SIZE = "2GB"  # transformers' own default for save_pretrained
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # --dtype; DTYPES (below, torch) maps them
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-_CONFIG_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "rope_theta",
-                "norm_eps")
-INDEX = "model.safetensors.index.json"
-#: every name an export writes into OUT: --force replaces a folder holding only these (anything else is the user's)
-EXPORT_FILE_RE = re.compile(r"^(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json"
-                            r"|config\.json|generation_config\.json|tokenizer\.json|tokenizer_config\.json"
-                            r"|tokenizer\.model)$")
 
 
 def parse_size(text: str) -> int:
@@ -50,6 +38,77 @@ def parse_size(text: str) -> int:
     if not m or float(m.group(1)) <= 0:
         raise CheckpointError(f"--max-shard-size {text!r} is not a size; write e.g. 2GB, 500MB, 512MiB or a byte count")
     return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").upper()])
+
+
+# --- command line: before torch -------------------------------------------------------------------------------------
+# Run as a program, this module parses its command line before it imports torch (below): --help, a bad flag, a bad
+# --max-shard-size or a missing SRC answer at once.
+
+_USAGE = """\
+    export SRC OUT --to hf [--max-shard-size 2GB] [--dtype D] [--tokenizer T] [--force]
+                   write SRC's model as a Hugging Face Llama folder OUT, what
+                   transformers.LlamaForCausalLM.from_pretrained(OUT) reads: config.json, generation_config.json,
+                   model.safetensors (or model-0000i-of-0000n.safetensors + model.safetensors.index.json beyond
+                   --max-shard-size), tokenizer.json / tokenizer_config.json (+ tokenizer.model) where the training
+                   tokenizer has a Hugging Face form. OUT is written beside and renamed into place: whole or absent.
+SRC is a step folder or an experiment folder (its latest), of any backend and world size, and may be
+s3://bucket/prefix (AWS_* variables; the s3 extra); OUT is a local folder.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python hf.py", description=__doc__.split("\n\n")[0] + "\n\n" + _USAGE,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    exp = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face Llama folder")
+    exp.add_argument("src", help="step folder, or experiment folder (its latest)")
+    exp.add_argument("out", help="folder to create (empty or absent; --force replaces an earlier export)")
+    exp.add_argument("--to", required=True, choices=list(FORMATS))
+    exp.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
+                     help="largest safetensors file, e.g. 2GB, 500MB (default 2GB)")
+    exp.add_argument("--dtype", choices=list(DTYPE_NAMES), help="cast the weights (default: as saved)")
+    exp.add_argument("--tokenizer", help="tokenizer name or path (default: the one the run trained with)")
+    exp.add_argument("--force", action="store_true", help="replace a non-empty OUT (never a checkpoint folder)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line and what can be checked of it with nothing loaded (CheckpointError, one line)."""
+    args = build_parser().parse_args(argv)
+    from checkpoint import storage  # stdlib, numpy
+
+    parse_size(args.max_shard_size)
+    if not (src := storage.as_path(args.src)).exists():  # reader.locate's refusal, before torch
+        raise CheckpointError(f"{src} does not exist")
+    return args
+
+
+_PARSED: argparse.Namespace | None = None  # the command line as parsed below, run as a program (main takes it)
+if __name__ == "__main__":
+    def _parse_first() -> argparse.Namespace:
+        try:
+            return parse_args()
+        except (CheckpointError, OSError) as e:  # bad input is one line, never a traceback
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    _PARSED = _parse_first()
+
+import torch  # noqa: E402 - after the command line (above)
+
+from checkpoint import fsio, layout, logs, storage  # noqa: E402
+from checkpoint.reader import flatten, locate, section_reader  # noqa: E402
+
+_log = logging.getLogger("pyrecover.hf")  # a root logs.setup configures
+
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16)))
+_CONFIG_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "rope_theta",
+                "norm_eps")
+INDEX = "model.safetensors.index.json"
+#: every name an export writes into OUT: --force replaces a folder holding only these (anything else is the user's)
+EXPORT_FILE_RE = re.compile(r"^(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json"
+                            r"|config\.json|generation_config\.json|tokenizer\.json|tokenizer_config\.json"
+                            r"|tokenizer\.model)$")
 
 
 # --- what the checkpoint holds ---------------------------------------------------------------------------------------
@@ -202,6 +261,9 @@ def model_config_from_hf(hf: Any, where) -> dict:
                                                                              not isinstance(value, int)) \
                 or kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
             refuse(f"{theirs} {json.dumps(value)} is not a{'n integer' if kind is int else ' ' + kind.__name__}")
+        if kind is float and not math.isfinite(value):  # JSON's NaN / Infinity: no comparison says what is wrong
+            raise CheckpointError(f"{where}: {theirs} {json.dumps(value)} is not a finite number; give a positive "
+                                  "number")
         if kind is not bool and value <= 0:
             refuse(f"{theirs} {value} must be positive")
         ours[field_name] = kind(value)
@@ -221,29 +283,9 @@ def read_hf(folder) -> tuple[dict, dict[str, torch.Tensor]]:
     import safetensors.torch
 
     folder = Path(folder)
-    try:
-        hf = json.loads((folder / "config.json").read_text())
-    except OSError as e:
-        raise CheckpointError(f"{folder}: cannot read config.json ({e.strerror or e}); give a folder saved by "
-                              "transformers (save_pretrained) or by `python hf.py export`") from None
-    except ValueError as e:
-        raise CheckpointError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
-    config = model_config_from_hf(hf, folder / "config.json")
-    if (folder / INDEX).is_file():
-        try:
-            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            raise CheckpointError(f"{folder / INDEX} is unreadable (no weight_map)") from None
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise CheckpointError(f"{folder}: no model.safetensors or {INDEX} (only safetensors weights are read)")
+    config = check_hf(folder)  # config.json and what the headers say, before any tensor is read
     theirs: dict[str, torch.Tensor] = {}
-    for name in files:
-        path = folder / name
-        if Path(name).name != name or not path.is_file():
-            raise CheckpointError(f"{folder / INDEX} lists {name!r}, which is not a file in {folder}")
+    for path in _weight_files(folder):
         try:
             theirs.update(safetensors.torch.load_file(path))
         except Exception as e:  # safetensors' own error types; a truncated or foreign file
@@ -277,6 +319,75 @@ def read_hf(folder) -> tuple[dict, dict[str, torch.Tensor]]:
     if extra:
         raise CheckpointError(f"{folder}: {len(extra)} tensor(s) a Llama model does not have, e.g. {extra[0]!r}")
     return config, tensors
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a model folder: model.safetensors, or those its index lists."""
+    if (folder / INDEX).is_file():
+        try:
+            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{folder / INDEX} is unreadable (no weight_map)") from None
+    elif (folder / "model.safetensors").is_file():
+        names = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{folder}: no model.safetensors or {INDEX} (only safetensors weights are read)")
+    for name in names:
+        if not isinstance(name, str) or Path(name).name != name or not (folder / name).is_file():
+            raise CheckpointError(f"{folder / INDEX} lists {name!r}, which is not a file in {folder}")
+    return [folder / name for name in names]
+
+
+#: safetensors' floating-point dtypes, as its headers spell them
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FN", "F8_E5M2FNUZ", "F8_E4M3FNUZ"}
+_INT_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+               "U32": "uint32", "I64": "int64", "U64": "uint64"}  # as torch names them
+
+
+def check_headers(folder: Path, config: dict, files: list[Path]) -> None:
+    """Every file's header readable, and the tensors it lists those of ``config``'s Llama model, of its shapes, in
+    floating point: what can be known without reading the weights (--check, and read_hf before it reads them).
+    CheckpointError, one line."""
+    from safetensors import safe_open
+
+    listed: dict[str, tuple[list[int], str]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    part = f.get_slice(name)
+                    listed[name] = (list(part.get_shape()), str(part.get_dtype()))
+        except Exception as e:  # safetensors' own error types; a truncated or foreign file
+            raise CheckpointError(f"{path}: not a readable safetensors file ({first_line(e)})") from None
+    expected = _shapes(config)
+    for ours, hf_name in hf_names(config).items():
+        if hf_name not in listed:
+            raise CheckpointError(f"{folder}: no tensor {hf_name!r}; not a Llama model with its config.json's shape")
+        shape, dtype = listed[hf_name]
+        if tuple(shape) != expected[ours]:
+            raise CheckpointError(f"{folder}: tensor {hf_name!r} has shape {shape}, config.json says "
+                                  f"{list(expected[ours])}")
+        if dtype.upper() not in _FLOAT_DTYPES:
+            shown = _INT_DTYPES.get(dtype.upper(), dtype)
+            raise CheckpointError(f"{folder}: tensor {hf_name!r} is {shown}, not floating point; give weights saved "
+                                  "as float32, bfloat16 or float16")
+
+
+def check_hf(folder) -> dict:
+    """read_hf's checks that need no tensor read (config.json, the weight files, their headers): the ModelConfig
+    fields. For --check, which must not read gigabytes on a login node."""
+    folder = Path(folder)
+    try:
+        hf = json.loads((folder / "config.json").read_text())
+    except OSError as e:
+        raise CheckpointError(f"{folder}: cannot read config.json ({e.strerror or e}); give a folder saved by "
+                              "transformers (save_pretrained) or by `python hf.py export`") from None
+    except ValueError as e:
+        raise CheckpointError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
+    config = model_config_from_hf(hf, folder / "config.json")
+    check_headers(folder, config, _weight_files(folder))
+    return config
 
 
 # --- tokenizer ------------------------------------------------------------------------------------------------------
@@ -556,36 +667,15 @@ def export_hf(src, out, *, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, dtype: 
     return out
 
 
-# --- command line ---------------------------------------------------------------------------------------------------
-
-_USAGE = """\
-    export SRC OUT --to hf [--max-shard-size 2GB] [--dtype D] [--tokenizer T] [--force]
-                   write SRC's model as a Hugging Face Llama folder OUT, what
-                   transformers.LlamaForCausalLM.from_pretrained(OUT) reads: config.json, generation_config.json,
-                   model.safetensors (or model-0000i-of-0000n.safetensors + model.safetensors.index.json beyond
-                   --max-shard-size), tokenizer.json / tokenizer_config.json (+ tokenizer.model) where the training
-                   tokenizer has a Hugging Face form. OUT is written beside and renamed into place: whole or absent.
-SRC is a step folder or an experiment folder (its latest), of any backend and world size, and may be
-s3://bucket/prefix (AWS_* variables; the s3 extra); OUT is a local folder.
-"""
+# --- command line (parsed at the top) ------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python hf.py", description=__doc__.split("\n\n")[0] + "\n\n" + _USAGE,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    exp = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face Llama folder")
-    exp.add_argument("src", help="step folder, or experiment folder (its latest)")
-    exp.add_argument("out", help="folder to create (empty or absent; --force replaces an earlier export)")
-    exp.add_argument("--to", required=True, choices=list(FORMATS))
-    exp.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
-                     help="largest safetensors file, e.g. 2GB, 500MB (default 2GB)")
-    exp.add_argument("--dtype", choices=list(DTYPES), help="cast the weights (default: as saved)")
-    exp.add_argument("--tokenizer", help="tokenizer name or path (default: the one the run trained with)")
-    exp.add_argument("--force", action="store_true", help="replace a non-empty OUT (never a checkpoint folder)")
+    global _PARSED
     logs.setup()  # export's lines
     try:
-        args = p.parse_args(argv)
+        args = _PARSED if argv is None and _PARSED is not None else parse_args(argv)
+        _PARSED = None  # taken once
         export_hf(args.src, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype,
                   tokenizer=args.tokenizer, force=args.force)
         return 0

@@ -179,8 +179,12 @@ class Metrics:
                  total_steps: int = 0, every: int = 1, tokens_per_step: int = 0, flops_per_token: float = 0.0,
                  peak_flops: float | None = None, world_size: int = 1, imports: tuple[float, float] = (0.0, 0.0),
                  profiler=None, trackers: list | None = None, tracker_dir: Path | None = None,
-                 tracker_names: tuple[str, ...] = (), save_records=None, memory=None, val_csv_path: Path | None = None):
+                 tracker_names: tuple[str, ...] = (), save_records=None, memory=None, val_csv_path: Path | None = None,
+                 evaluations=None):
         self.writer, self.csv_path, self.resumed_step = writer, csv_path, resumed_step
+        # ``evaluations(a, b)``: how many evaluations the steps in (a, b] make (the ETA counts them at their measured
+        # duration, and the step time without them)
+        self.evaluations, self._eval_s, self._evals = evaluations, 0.0, 0
         # the evaluations' rows (``val_csv_path``: given when the run evaluates, or has evaluated: see train.py)
         self.val_csv = ValCSV(val_csv_path, resumed_step) if (val_csv_path and writer) else None
         # distributed.PeakMemory: rank 0's peaks per step, for the log line and the trackers (never the CSV: a
@@ -255,11 +259,14 @@ class Metrics:
 
     def _eta(self, step: int) -> str:
         """Remaining time at this incarnation's mean step time (its first step, with the restart's costs, included:
-        an overestimate that fades)."""
+        an overestimate that fades), plus the evaluations still to come at their mean measured duration."""
         done = step - self._start_step
         if done <= 0:
             return "?"
-        left = (time.monotonic() - self._t_loop) / done * max(0, self.total_steps - step)
+        training = max(0.0, time.monotonic() - self._t_loop - self._eval_s)
+        left = training / done * max(0, self.total_steps - step)
+        if self.evaluations is not None and self._evals:
+            left += self.evaluations(step, self.total_steps) * self._eval_s / self._evals
         h, rem = divmod(int(left + 0.5), 3600)
         return f"{h}:{rem // 60:02d}:{rem % 60:02d}"
 
@@ -288,13 +295,15 @@ class Metrics:
             self._saves_logged += 1
         return values
 
-    def note_eval(self, step: int, evaluation: dict) -> None:
-        """An evaluation after step ``step`` (evaluation.Evaluator): one log line, a val CSV row, the trackers' val/loss
-        and val/ppl (and eval/loss, eval/probe_loss, as a card records them) at that step. Rank 0 writes."""
+    def note_eval(self, step: int, evaluation: dict, seconds: float = 0.0) -> None:
+        """An evaluation after step ``step`` that took ``seconds`` (evaluation.Evaluator): one log line, a val CSV row,
+        the trackers' val/loss and val/ppl (and eval/loss, eval/probe_loss, as a card records them) at that step.
+        Rank 0 writes."""
+        self._eval_s, self._evals = self._eval_s + seconds, self._evals + 1
         if not self.writer:
             return
         loss, ppl, tokens = evaluation["val_loss"], evaluation["val_ppl"], evaluation["val_tokens"]
-        _log.info(f"eval step {step}: val loss {loss:.4f} ppl {ppl:.2f} ({tokens} tokens)")
+        _log.info(f"eval step {step}: val loss {loss:.4f} ppl {ppl:.2f} ({tokens} tokens, {seconds:.1f}s)")
         if self.val_csv:
             self.val_csv.row(step=step, val_loss=repr(loss), val_ppl=repr(ppl), val_tokens=tokens,
                              wall_time=f"{time.time():.3f}")

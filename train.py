@@ -231,13 +231,21 @@ def check_inputs(args: argparse.Namespace, env: distributed.DistEnv, session: Se
 
 def validation_set(args: argparse.Namespace, env: distributed.DistEnv, tokenizer, held_out):
     """What evaluations read (evaluation.py): --val-dataset's windows (the ranks tokenize its shards together), else
-    the held-out windows, or None. Refused in one line: a set with fewer windows than --eval-tokens asks for."""
+    the held-out windows, or None. Refused in one line: a set with fewer windows than --eval-tokens asks for, a
+    --val-dataset file that is a training file (dataset.check_val_apart). Documents it shares with the training data
+    are counted in a warning (rank 0): duplicates across splits are common in gathered text (boilerplate, licences),
+    and a user may mean them; a whole training file never is."""
+    from dataset import check_val_apart, overlap_warning
+
     val = held_out
     if args.val_dataset is not None:
         val = load_val_windows(args.val_dataset, tokenizer, args.sequence_length, cache_dir=args.data_cache_dir,
                                rank=env.rank, world_size=env.world_size,
                                exchange=lambda error: distributed.first_error(error, env),
                                column=args.text_column)
+        check_val_apart(args.dataset, args.val_dataset)
+        if env.is_main and (warning := overlap_warning(args.dataset, args.val_dataset, args.text_column)):
+            say(warning)
     if val is not None and args.eval_tokens and eval_window_count(args.eval_tokens, args.sequence_length,
                                                                   len(val)) > len(val):
         what = f"--val-dataset {args.val_dataset}" if args.val_dataset else "the held-out data"
@@ -298,7 +306,11 @@ def hf_model_config(path, what: str) -> dict:
 
 def model_config(args: argparse.Namespace, tokenizer) -> ModelConfig:
     """The model's shape: a preset with the tokenizer's vocabulary, or a config.json's (whose vocabulary may be larger
-    than the tokenizer's, never smaller); RoPE tables for --sequence-length. --init-from's config.json must agree."""
+    than the tokenizer's, never smaller); RoPE tables for --sequence-length. --init-from's config.json must agree, and
+    its embeddings must be the tokenizer's (check_tokenizer_fits)."""
+    theirs = hf_model_config(Path(args.init_from) / "config.json", "--init-from") if args.init_from else None
+    if theirs is not None:
+        check_tokenizer_fits(args, tokenizer, theirs["vocab_size"])
     if args.model in PRESETS:
         config = get_config(args.model, vocab_size=tokenizer.vocab_size, max_seq_len=args.sequence_length)
     else:
@@ -312,14 +324,37 @@ def model_config(args: argparse.Namespace, tokenizer) -> ModelConfig:
                      f"max_position_embeddings {fields['max_seq_len']}: RoPE is computed for "
                      f"{args.sequence_length} positions (context extension; the export records the longer one)")
         config = ModelConfig(**(fields | {"max_seq_len": args.sequence_length}))
-    if args.init_from:
-        theirs, ours = hf_model_config(Path(args.init_from) / "config.json", "--init-from"), vars(config)
+    if theirs is not None:
+        ours = vars(config)
         differ = [f"{k} {theirs[k]} (--model: {ours[k]})" for k in theirs
                   if k != "max_seq_len" and theirs[k] != ours[k]]
         if differ:
             raise BadInput(f"--init-from {args.init_from}: its config.json differs from --model {args.model}: "
                            f"{', '.join(differ)}; drop --model to take the shape from --init-from")
     return config
+
+
+#: how many embedding rows past a tokenizer's last id still count as its vocabulary: padding to a round size (a few
+#: hundred rows at most in published Llama-layout models); more means the weights were trained with another tokenizer
+PADDED_ROWS = 1024
+
+
+def check_tokenizer_fits(args: argparse.Namespace, tokenizer, rows: int) -> None:
+    """--init-from's embeddings (``rows``: its config.json's vocab_size) are some tokenizer's ids: the run's tokenizer
+    must have no id past them, and not so few that most rows are another vocabulary's (--force-tokenizer trains with
+    it anyway, as with a tokenizer of another vocabulary)."""
+    tokens = tokenizer.vocab_size
+    if tokens <= rows <= tokens + PADDED_ROWS:
+        return
+    why = (f"its ids up to {tokens - 1} run past the {rows} embedding rows" if tokens > rows else
+           f"{rows - tokens} of the {rows} embedding rows would be no token of it")
+    line = (f"--init-from {args.init_from}: tokenizer {tokenizer.name} ({args.tokenizer_name_or_path}) has {tokens} "
+            f"tokens, but the weights' embeddings have {rows} rows (config.json vocab_size): {why}, so it is not the "
+            "vocabulary the weights were trained with")
+    if not args.force_tokenizer or tokens > rows:
+        raise BadInput(f"{line}; give the model's own tokenizer with --tokenizer-name-or-path"
+                       + ("" if tokens > rows else ", or pass --force-tokenizer to train with this one anyway"))
+    log.info(f"warning: --force-tokenizer: {line}")
 
 
 def source_positions(args: argparse.Namespace) -> int | None:
@@ -561,10 +596,11 @@ def build_evaluator(args: argparse.Namespace, run: Run, prepared: Prepared, metr
     count = eval_window_count(args.eval_tokens, args.sequence_length, len(prepared.val))
     lockstep = env.distributed and args.parallel == "fsdp"  # every forward gathers the shards: all ranks run as many
 
-    def evaluate_now() -> dict:
+    def evaluate_now() -> dict | None:  # None: a stop came during it (the session's vote between its batches)
         return evaluate(model, prepared.val, env.device, run.autocast, count=count, rank=env.rank,
                         world_size=env.world_size, lockstep=lockstep,
-                        reduce=lambda values: distributed.sum_over_ranks(values, env))
+                        reduce=lambda values: distributed.sum_over_ranks(values, env),
+                        stop=prepared.session.interrupt)
 
     when = (f"every {args.eval_every} steps and at each save" if args.eval_every else "at each save")
     log.info(f"eval: {count} windows ({count * args.sequence_length} tokens) of "
@@ -572,7 +608,45 @@ def build_evaluator(args: argparse.Namespace, run: Run, prepared: Prepared, metr
     def probe_now() -> float:  # every rank (FSDP's forward is a collective); bitwise evaluate()'s first batch
         return batch_loss(model, prepared.val.batch(range(min(EVAL_BATCH, count))), env.device, run.autocast)
 
-    return Evaluator(evaluate_now, args.eval_every, metrics.note_eval, count=count, probe_at=probe_now)
+    return Evaluator(evaluate_now, args.eval_every, metrics.note_eval, count=count, probe_at=probe_now,
+                     observe=prepared.session.observe_eval)
+
+
+def evaluations_between(args: argparse.Namespace, has_val: bool):
+    """``(a, b) -> how many evaluations the steps in (a, b] make`` (--eval-every's and the periodic saves', as the
+    stop policy's IntervalPolicy schedules them), for the ETA; None without validation data."""
+    from math import lcm
+
+    if not has_val:
+        return None
+    every = args.eval_every or 0
+    save = (args.local_checkpoint_frequency if args.local_checkpoint_dir else 0) or args.checkpoint_frequency or 0
+    both = lcm(every, save) if every and save else 0
+    final = args.training_steps
+
+    def multiples(n: int, a: int, b: int) -> int:
+        return b // n - a // n if n > 0 else 0
+
+    def count(a: int, b: int) -> int:
+        n = multiples(every, a, b) + multiples(save, a, b) - multiples(both, a, b)
+        return n + (a < final <= b and not any(k and final % k == 0 for k in (every, save)))
+
+    return count
+
+
+def evaluate_owed(run: Run, session: Session, evaluator: Evaluator | None, resumed: int | None) -> bool:
+    """A run resumed from a stop that gave the step's evaluation no time (evaluation.Evaluator.owed): that evaluation
+    first, from the same weights, so the val rows are an uninterrupted run's. A just-in-time save is not a stop's:
+    its card records no evaluation either way. True: a stop came during this one too."""
+    info = session.loaded
+    if evaluator is None or resumed is None or info is None:
+        return False
+    meta = info.manifest.get("meta", {})
+    owed = not meta.get("jit") and evaluator.owed(resumed, meta.get("card", {}), session.save_scheduled(resumed))
+    if distributed.all_reduce_max(float(owed), run.env) == 0:  # the same card everywhere; agreed all the same
+        return False
+    log.info(f"eval: step {resumed}'s evaluation gave way to the stop its checkpoint was saved for: evaluating it now")
+    return evaluator(resumed) is None
 
 
 def card_describer(args: argparse.Namespace, run: Run, prepared: Prepared, started: float,
@@ -596,6 +670,8 @@ def card_describer(args: argparse.Namespace, run: Run, prepared: Prepared, start
         evaluation = None
         if evaluate_now and evaluator is not None:
             evaluation = evaluator.probe_only(step) if rushed else evaluator(step)
+            if evaluation is None:  # a stop came during it: this save becomes the stop's (Session.step_boundary)
+                evaluation = evaluator.probe_only(step)
         return {"card": make(step=step, tokens_seen=run.progress.tokens_seen, losses=metrics.take_interval(),
                              lr=metrics.last_lr, evaluation=evaluation)}
 
@@ -683,7 +759,8 @@ def build_metrics(args: argparse.Namespace, run: Run, session: Session, resumed:
                    peak_flops=device_peak_flops(env.device, args.model_dtype),
                    world_size=env.world_size, imports=(_T_IMPORTS, _T_IMPORTED), profiler=profiler,
                    trackers=opened, tracker_dir=tracker_dir, tracker_names=tuple(names),
-                   save_records=lambda: session.history, memory=run.memory, val_csv_path=val_csv)
+                   save_records=lambda: session.history, memory=run.memory, val_csv_path=val_csv,
+                   evaluations=evaluations_between(args, has_val))
 
 
 def build_jit(args: argparse.Namespace, run: Run, session: Session, metrics: Metrics, describe) -> object:
@@ -774,12 +851,13 @@ def check_data_files(args: argparse.Namespace, tokenizer, spec: str, flag: str =
     """--check: the data as far as it can be seen without tokenizing (minutes for a large dataset, which a login node
     should not spend): every file readable (parquet or JSON Lines) with rows and the --text-column, and whether its
     token cache exists. The run itself checks the tokens (and that they fill a global batch) when it loads them."""
-    from dataset import cache_places, check_shard, list_shards  # the check the sharded loading starts with
+    from dataset import cache_places, check_records, check_shard, list_shards  # check_shard: as the loading starts
 
     paths = list_shards(spec)[1] if is_sharded(spec) else [Path(spec)]
     cached = 0
     for path in paths:
         check_shard(path, args.text_column)
+        check_records(path, args.text_column)  # JSON Lines: records spread over the file, not only the first
         cached += any(place.exists() for place in cache_places(path, tokenizer, args.data_cache_dir, args.text_column))
     tokens = ("tokens cached" if cached == len(paths) else
               f"tokens cached for {cached} of {len(paths)}: not tokenized here, the run tokenizes the rest at its "
@@ -819,6 +897,16 @@ def check_everything(args: argparse.Namespace) -> list[str]:
     trackers.check(args)
     session = Session(checkpoint_settings(args, env), env, agree=lambda v: v)
     tokenizer, config, estimate = check_model(args, env, gpu_here=not elsewhere)
+    init = []
+    if args.init_from:  # its headers, as the run reads them first; not its tensors (gigabytes, on a login node)
+        from hf import check_hf
+
+        try:
+            check_hf(args.init_from)
+        except CheckpointError as e:
+            raise BadInput(f"--init-from {e}") from None
+        init = [f"--init-from {args.init_from}: config.json and its safetensors headers readable, every tensor of its "
+                "shape (their values are checked when the run reads them)"]
     available, where = (None, "") if elsewhere else distributed.device_memory(env)
     with torch.device("meta"):
         params = Transformer(config).num_params()
@@ -828,6 +916,11 @@ def check_everything(args: argparse.Namespace) -> list[str]:
             data.append(check_data_files(args, tokenizer, args.val_dataset, "--val-dataset"))
         except DataError as e:
             raise about_val_dataset(e, args.val_dataset) from None
+        from dataset import check_val_apart, overlap_warning
+
+        check_val_apart(args.dataset, args.val_dataset)
+        if warning := overlap_warning(args.dataset, args.val_dataset, args.text_column):
+            say(warning)
     check_folder_writable(session)
     resume = "would start fresh (no --resume-from-checkpoint)"
     if args.resume_from_checkpoint:
@@ -847,6 +940,7 @@ def check_everything(args: argparse.Namespace) -> list[str]:
         f"device {shown_device}, --model-dtype {args.model_dtype}, {ranks}",
         f"model {args.model}: {params / 1e6:.1f}M params, tokenizer {tokenizer.name} ({tokenizer.vocab_size} tokens)",
         f"memory estimate {estimate.total / 2**20:,.1f} MiB per rank ({compared})",
+        *init,
         *data,
         f"checkpoint folder {session.root}: writable",
         f"OK: {resume}; nothing was trained or written",
@@ -951,7 +1045,10 @@ def train(args: argparse.Namespace, signals: SignalWatcher, started: float) -> i
     metrics.start(session.load_seconds)
     t_loop = time.perf_counter()
     try:
-        while run.progress.step < args.training_steps:
+        # resumed from a stop that interrupted an evaluation: that one first (a stop during it saves its step again)
+        stopped = (evaluate_owed(run, prepared.session, evaluator, resumed)
+                   and session.step_boundary(run.progress.step, card(run.progress.step)))
+        while not stopped and run.progress.step < args.training_steps:
             t0 = time.perf_counter()
             jit.begin_step()  # --jit-checkpoint: from here until the optimizer step the last step's state is intact
             loss, lr, grad_norm = train_step(run, before_update)

@@ -37,7 +37,8 @@ PYRECOVER_TOKENIZE_DELAY_S=SECONDS             dataset.py (_build_cache)        
   each token cache stays that much longer under its temporary name before its rename (a slow tokenizer: a test
   kills the ranks mid-tokenization).
 PYRECOVER_TEST_EVAL_SLEEP=SECONDS              evaluation.py (evaluate)             test-only    eval_sleep()
-  every evaluation sleeps that long after its first batch (a test kills the run in the middle of an evaluation).
+  every evaluation sleeps that long after its first batch, spread over its later rounds of batches (a test kills the
+  run, or sends a stop signal, in the middle of an evaluation).
 PYRECOVER_CRASH_AT_STEP=k[:rank[:MODE]]        train.py                             test-only    crash_at_step(),
                                                                                                  install_crash_hook()
   ``rank`` (default 0) dies right after the forward pass of step k (before backward and its all-reduce): MODE
@@ -147,7 +148,8 @@ def tokenize_delay_s(environ: Mapping[str, str] | None = None) -> float:
 
 
 def eval_sleep(environ: Mapping[str, str] | None = None) -> float | None:
-    """PYRECOVER_TEST_EVAL_SLEEP: seconds each evaluation sleeps after its first batch (None when unset)."""
+    """PYRECOVER_TEST_EVAL_SLEEP: seconds each evaluation sleeps after its first batch, spread over its later rounds
+    of batches (a slow evaluation, as a stop signal meets it between two batches; None when unset)."""
     seconds = _seconds("PYRECOVER_TEST_EVAL_SLEEP", 0.0, environ)
     return seconds or None
 

@@ -299,6 +299,8 @@ class StepBoundary:
         self._saved_last = False
         self._walltime_note = ""
         self._my_signals: list[str] = []
+        self._pending = NONE  # a stop agreed between an evaluation's batches (interrupt): the next decision's
+        self._eval_s = 0.0  # evaluations since the last boundary: not step time
 
     # --- per step ------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -307,7 +309,8 @@ class StepBoundary:
             self.signals.arm()
         self._last = self.mono()
 
-    def local_vote(self) -> int:
+    def local_vote(self, before_eval: bool = False) -> int:
+        """``before_eval``: an evaluation is about to start, so the walltime rule also counts its measured duration."""
         vote = NONE
         if self.signals is not None:
             for name in self.signals.new():
@@ -316,9 +319,10 @@ class StepBoundary:
             self._my_signals = sorted({signal.Signals(s).name for s in self.signals.received})
         if self.walltime is not None:
             self._feed_saves()
-            if self.walltime.due():
+            extra = self.walltime.eval_s if before_eval else 0.0
+            if self.walltime.due(extra):
                 vote = max(vote, WALLTIME)
-                self._walltime_note = self.walltime.explain()
+                self._walltime_note = self.walltime.explain(extra)
         if self.every_minutes is not None and self.every_minutes.due():
             vote = max(vote, INTERVAL)
         if self.fenced is not None and self.fenced():
@@ -345,12 +349,40 @@ class StepBoundary:
             time.sleep(self.step_sleep)  # test-only pacing (knobs.step_sleep_s)
         now = self.mono()
         if self.walltime is not None and not self._saved_last:
-            self.walltime.observe_step(now - self._last)  # a step that included a save would inflate the estimate
-        self._last = now
-        agreed = int(self.agree(float(self.local_vote())))
+            # a step that included a save would inflate the estimate; an evaluation is counted on its own
+            self.walltime.observe_step(max(0.0, now - self._last - self._eval_s))
+        self._last, self._eval_s = now, 0.0
+        agreed = max(int(self.agree(float(self.local_vote()))), self._pending)
+        self._pending = NONE
         decision = self.resolve(agreed, step)
         self._saved_last = decision.save
         return decision
+
+    # --- between an evaluation's batches ---------------------------------------------------------------------------
+    def interrupt(self, before_eval: bool = False) -> bool:
+        """Whether an evaluation must give way to a stop (a signal, the walltime -- ``before_eval``: counting the
+        evaluation's measured duration, so none starts that would overrun --, fenced): the same vote and all-reduce as
+        a step boundary, so every rank gets the same answer; every rank calls it as often. A stop is kept for the
+        next decision (``__call__``, or ``stop_now`` at a save whose card was evaluating)."""
+        agreed = int(self.agree(float(self.local_vote(before_eval))))
+        if agreed < WALLTIME:
+            return False
+        self._pending = max(self._pending, agreed)
+        return True
+
+    def observe_eval(self, seconds: float) -> None:
+        """A whole evaluation took ``seconds``: the walltime rule counts it before the next one starts."""
+        self._eval_s += seconds
+        if self.walltime is not None:
+            self.walltime.observe_eval(seconds)
+
+    def stop_now(self, step: int) -> Decision | None:
+        """The decision a stop agreed during this step's save (its card's evaluation gave way) makes of it: that save
+        becomes the stop's (shared, no peer copy). None: no stop came."""
+        if self._pending == NONE:
+            return None
+        agreed, self._pending = self._pending, NONE
+        return self.resolve(agreed, step)
 
     def _feed_saves(self) -> None:
         if self.save_history:

@@ -316,7 +316,8 @@ class Session:
         if why and self.rank.is_main:
             _say(f"warning: {setting('peer', True)}: {why}; the local tier goes on without a peer copy")
         tier = LocalTier(self.places.local.root, self.rank, leader=leader, identity=identity, keep=s.local_keep,
-                         copies=2 if order else 1, generation=generation, setting=self.places.local.setting)
+                         copies=2 if order else 1, generation=generation, setting=self.places.local.setting,
+                         spares=self.backend.reuses_files)
         if not order:
             return tier, None
         link = Link(self.rank, timeout_s=s.peer_timeout_s)  # collective: every rank, in the same order
@@ -372,14 +373,31 @@ class Session:
             self.manager.poll()  # surface background save errors at a step boundary
             if decision.save:
                 rushed = decision.vote not in (NONE, INTERVAL)
-                self.manager.save(step, self.state, meta=describe(rushed), shared=decision.shared,
-                                  peer=decision.peer)
+                meta = describe(rushed)
+                # a stop agreed while the card's evaluation ran (it gave way): this save is the stop's
+                decision = self.policy.stop_now(step) or decision
+            if decision.save:
+                self.manager.save(step, self.state, meta=meta, shared=decision.shared, peer=decision.peer)
                 self._saved_at = step
         except run_lease.Fenced:
             pass  # a newer incarnation owns the run directory: the policy's next vote stops every rank, saving nothing
         except CheckpointError as e:  # e.g. disk full
             self._save_failed(e, step)
         return decision.stop
+
+    def interrupt(self, before_eval: bool = False) -> bool:
+        """Between an evaluation's batches, on every rank as often: True when it must give way to a stop (a signal,
+        the walltime, fenced; agreed like a step boundary), which the next boundary then saves
+        (policy.StepBoundary.interrupt)."""
+        return self.policy.interrupt(before_eval)
+
+    def observe_eval(self, seconds: float) -> None:
+        """A whole evaluation's duration, which the walltime rule counts before the next one starts."""
+        self.policy.observe_eval(seconds)
+
+    def save_scheduled(self, step: int) -> bool:
+        """Whether ``step`` is one the save schedule saves (the step interval, the local tier's, the final step)."""
+        return self.policy.interval.due(step)
 
     def _save_failed(self, error: CheckpointError, step: int) -> None:
         if self.settings.on_save_error == "stop":

@@ -113,6 +113,7 @@ class WalltimePolicy:
         self.ema = ema
         self.step_s: float | None = None
         self.save_s = 0.0
+        self.eval_s = 0.0  # the longest whole evaluation so far (counted before the next one starts)
         self.deadline: float | None = None
         self.source = ""
         self._last_read = float("-inf")
@@ -159,20 +160,25 @@ class WalltimePolicy:
     def observe_save(self, seconds: float) -> None:
         self.save_s = max(self.save_s, seconds)
 
-    def needed(self) -> float:
-        return self.save_s + self.step_factor * (self.step_s or 0.0) + self.margin_s
+    def observe_eval(self, seconds: float) -> None:
+        self.eval_s = max(self.eval_s, seconds)
+
+    def needed(self, extra_s: float = 0.0) -> float:
+        return self.save_s + self.step_factor * (self.step_s or 0.0) + self.margin_s + extra_s
 
     def remaining(self, now: float | None = None) -> float | None:
         return None if self.deadline is None else self.deadline - (self.clock() if now is None else now)
 
-    def due(self) -> bool:
+    def due(self, extra_s: float = 0.0) -> bool:
+        """``extra_s``: the time something about to start takes first (an evaluation: ``eval_s``)."""
         now = self.clock()
         self._maybe_refresh(now)
         left = self.remaining(now)
-        return left is not None and left < self.needed()
+        return left is not None and left < self.needed(extra_s)
 
-    def explain(self) -> str:
+    def explain(self, extra_s: float = 0.0) -> str:
         left = self.remaining()
-        return (f"walltime: {left:.1f}s left before the deadline from {self.source}, < {self.needed():.1f}s needed "
-                f"(longest save {self.save_s:.2f}s + {self.step_factor:g} x step {self.step_s or 0.0:.2f}s + margin "
-                f"{self.margin_s:g}s)")
+        evaluation = f" + the evaluation due now {extra_s:.2f}s" if extra_s else ""
+        return (f"walltime: {left:.1f}s left before the deadline from {self.source}, < {self.needed(extra_s):.1f}s "
+                f"needed (longest save {self.save_s:.2f}s + {self.step_factor:g} x step {self.step_s or 0.0:.2f}s"
+                f"{evaluation} + margin {self.margin_s:g}s)")

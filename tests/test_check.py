@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from helpers import TINY, run_train
 
 
@@ -30,10 +32,12 @@ def test_check_says_what_a_resume_would_load_and_writes_nothing(tmp_path, corpus
     assert lines[-1].startswith("check: OK: would resume from step 4 "), ok.stdout
     assert tree(ck) == before  # nothing trained, saved, leased or rewritten
 
+    val = tmp_path / "own-val.parquet"  # a file of its own: a training file is refused as validation data
+    pq.write_table(pq.read_table(corpus, columns=["text"]).slice(0, 4), val)
     fresh = run_train(flags + ["--experiment_name", "new", "--dry-run",  # the alias; a run folder not there yet
-                               "--val-dataset", corpus, "--eval-every", "2"])
+                               "--val-dataset", str(val), "--eval-every", "2"])
     assert fresh.returncode == 0 and "would start fresh (no --resume-from-checkpoint)" in fresh.stdout, fresh
-    assert f"check: --val-dataset {corpus}: 1 file(s), readable" in fresh.stdout, fresh.stdout  # its files looked at
+    assert f"check: --val-dataset {val}: 1 file(s), readable" in fresh.stdout, fresh.stdout  # its files looked at
     assert not (ck / "new").exists()
 
     for extra, needle in [(["--dataset", str(tmp_path / "nope.parquet")], "nope.parquet"),
