@@ -409,12 +409,16 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def make_dirs(path: Path) -> None:
+def make_dirs(path: Path, *, within: Path | None = None) -> None:
     """``mkdir -p`` whose new folders survive a power cut: a folder's name is durable only once the folder holding it
     is fsynced, so each folder created here is fsynced into its parent (found by tests/powerloss: without it, strict
-    POSIX may lose a new run folder with every checkpoint in it)."""
+    POSIX may lose a new run folder with every checkpoint in it). ``within``: a folder that must exist already and is
+    never made here, nor anything above it (a private folder is made only by its own checked path, nodetrust.py);
+    FileNotFoundError when it is missing."""
     path, missing = Path(path), []
     while not path.exists():
+        if within is not None and path == Path(within):
+            raise FileNotFoundError(errno.ENOENT, "folder disappeared", str(path))
         missing.append(path)
         path = path.parent
     for folder in reversed(missing):

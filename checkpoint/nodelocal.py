@@ -117,7 +117,9 @@ class NodeLocal:
         """The newest step that every rank holds locally (in its node's tier, or restored from a peer's copy) wins if
         the shared tier has nothing newer committed; otherwise the shared tier's `latest`, which each rank still loads
         from its local tier if it holds that step. Only the chosen step is verified: a local copy that fails is
-        removed, and the choice is made again without it. When the shared tier holds the chosen step, a local copy
+        removed, and the choice is made again without it (with the peer copies too: PeerCopy.restore, older than the
+        refused step; a peer copy that fails is likewise never the end of the choice). When the shared tier holds the
+        chosen step, a local copy
         must also match its manifest (LocalTier.usable), else that rank loads the shared copy. A step restored only
         from local tiers is then drained to the shared tier, so losing a node right after loses nothing."""
         m, rank = self.m, self.m.rank
@@ -158,6 +160,9 @@ class NodeLocal:
             # a rank without the step loads the shared copy; without one, every rank must hold it (else choose again)
             if info is not None or everyone:
                 break
+            if self.peer is not None:  # a part refused: the peer copies may still give every rank a step older than it
+                floor = max((s for s in (everywhere(local, rank.gather), newest_shared) if s is not None), default=None)
+                peers = sorted(set(peers) | set(self.peer.restore(local, floor, forks, below=step)))
         if mine is not None:
             self.tier.load(mine, state)
         else:

@@ -84,7 +84,7 @@ def _offer_or_error(step_dir: Path) -> tuple[dict, list]:
     """An offer of ``step_dir``, or one that says why there is none: the other end is waiting for a header."""
     try:
         return _offer(step_dir)
-    except (OSError, CheckpointError) as e:
+    except (OSError, CheckpointError, ValueError) as e:  # ValueError: a manifest that is not text
         return {"error": f"{step_dir}: {e.strerror if isinstance(e, OSError) else e}"}, []
 
 
@@ -128,11 +128,18 @@ def _chunks(files: list[tuple[Path, dict]], algorithm: str, bad: list[str], buf:
                 yield buf[:want]
 
 
+class BadCopy(CheckpointError):
+    """The sender's own copy no longer matches its manifest: that copy can never serve (unlike a failure of the link
+    or of the receiving end, e.g. its tier full)."""
+
+
 class _Landing:
     """Commits one incoming offer as ``<root>/step-N``: files written in a staging folder as chunks arrive, each
-    checked against the manifest's record, then the manifest, ``COMMITTED`` and the rename."""
+    checked against the manifest's record, then the manifest, ``COMMITTED`` and the rename. ``root`` is made by
+    ``make_root`` (LocalTier.private's path), and nothing above it is ever made here."""
 
-    def __init__(self, root: Path, header: dict, tag: str, *, owner: int, world_size: int):
+    def __init__(self, root: Path, header: dict, tag: str, *, owner: int, world_size: int,
+                 make_root: Callable[[], None]):
         self.root, self.header, self.tag = root, header, tag
         manifest = json.loads(header["manifest"])
         self.manifest = layout.check_manifest(manifest, root)
@@ -145,7 +152,10 @@ class _Landing:
             raise CheckpointError(f"a peer's offer of step {header['step']} does not list its manifest's files")
         self._writing = route.of(root)
         self.dir = self._writing.save_dir(root, tag, header["step"])
-        self._writing.prepare(self.dir)
+        make_root()
+        if self.dir.exists():  # this incarnation's own leftover of a failed attempt (the name proves it)
+            storage.rmtree(self.dir)
+        make_dirs(self.dir, within=root)
         self._file, self._index, self._hasher, self._size = None, -1, None, 0
 
     def feed(self, index: int, piece) -> None:
@@ -154,7 +164,7 @@ class _Landing:
             self._index = index
             name = layout.safe_relpath(self.header["files"][index][0], self.root)
             path = self.dir / name
-            make_dirs(path.parent)
+            make_dirs(path.parent, within=self.dir)
             self._file = open(path, "wb")
             self._hasher, self._size = new_hasher(self.manifest["checksum"]), 0
         self._file.write(piece)
@@ -224,8 +234,8 @@ class Link:
         if receiving:
             try:
                 landing = land(header_in)
-            except (OSError, CheckpointError) as e:
-                failed.append(str(e))
+            except Exception as e:  # noqa: BLE001 - whatever fails here, the stream still runs to its end on both
+                failed.append(str(e) or type(e).__name__)  # ends (a swap skipped on one side leaves the pair apart)
         bad: list[str] = []
         send_buf, recv_buf = self._chunk_buffers() if sending or receiving else (None, None)
         pieces = (send_buf[:len(p)] for p in _chunks(out[1], json.loads(out[0]["manifest"])["checksum"], bad,
@@ -236,8 +246,8 @@ class Link:
             if landing is not None and not failed:
                 try:
                     landing.feed(cuts[k][0], buf)
-                except (OSError, CheckpointError) as e:
-                    failed.append(str(e))
+                except Exception as e:  # noqa: BLE001 - as above: the pair stays in step
+                    failed.append(str(e) or type(e).__name__)
 
         try:
             self._duplex(dst, pieces, src, [n for _, n in cuts], sink=sink, into=recv_buf)
@@ -249,6 +259,8 @@ class Link:
             raise
         if landing is not None:
             landing.discard()
+        if not failed and bad:
+            raise BadCopy(bad[0])
         why = failed or bad or ([header_in["error"]] if header_in is not None and "error" in header_in else [])
         if why:
             raise CheckpointError(why[0])
@@ -306,6 +318,7 @@ class PeerCopy:
         self.keep, self.run_id = max(keep, 1), run_id
         self._failed: str | None = None
         self._said_first = False
+        self._held: list[int] = []  # the copies kept here, as last seen: named if the folder vanishes
         self._forks: list = []  # the run's resumes while a restore runs (tier.abandoned)
         self.lags: list[float] = []  # per step sent: seconds from its local commit until the buddy's copy committed
         self.sent_bytes = 0
@@ -341,22 +354,37 @@ class PeerCopy:
                          "tiers go on without it", extra=EVERY_RANK)
 
     def _swap(self, step: int, step_dir: Path | None) -> bool:
-        """One step each way; True when this rank's part of it reached its buddy."""
-        make_dirs(self.root)
+        """One step each way; True when this rank's part of it reached its buddy. Nothing local comes before the swap
+        that could keep this rank out of it while its buddy and its source are in theirs (the pair would stay one
+        step apart): the offer turns its own failures into an error offer, and the folder the copy lands in is made
+        by the landing, inside the swap, whose failures let the stream run to its end."""
         offer = _offer_or_error(step_dir) if step_dir is not None else (
             {"error": f"rank {self.tier.rank.rank}'s save of step {step} failed"}, [])
-        published = self.link.swap(self.buddy, offer, self.source, self._landing(self.root, self.source))
+        published = self.link.swap(self.buddy, offer, self.source,
+                                   self._landing(self.root, self.source, self._peer_folder))
         self.sent_bytes += sum(size for _, size in offer[0].get("files", ()))
         apply_retention(self.root, self.keep, guard=layout.no_guard, own_staging=_staging(self.run_id),
-                               label=f"peer copy {self.root}", quiet=True)
+                        label=f"peer copy {self.root}", quiet=True)
+        self._held = [i.step for i in layout.list_checkpoints(self.root) if i.committed]
         if not self._said_first and self.tier.rank.is_main and published is not None:
             _log.info(f"peer copy: every local step is also kept on the next node (rank 0's on rank {self.buddy}'s "
                       f"node; step {step} the first, in {published.parent})")
             self._said_first = True
         return "error" not in offer[0]
 
-    def _landing(self, root: Path, owner: int) -> Callable[[dict], _Landing]:
-        return lambda header: _Landing(root, header, self.run_id, owner=owner, world_size=self.tier.rank.world_size)
+    def _landing(self, root: Path, owner: int, make_root: Callable[[], None]) -> Callable[[dict], _Landing]:
+        return lambda header: _Landing(root, header, self.run_id, owner=owner, world_size=self.tier.rank.world_size,
+                                       make_root=make_root)
+
+    def _peer_folder(self) -> None:
+        """The folder the copies of ``source``'s steps are kept in, made inside the tier's private run folder (its
+        checked path: LocalTier.private); one line if it disappeared with copies in it."""
+        self.tier.private()
+        if self._held and not self.root.is_dir():
+            _log.warning(f"warning: peer copy: {self.root} had disappeared while the run went on, with the copies of "
+                         f"rank {self.source}'s steps {', '.join(map(str, self._held))}; made again", extra=EVERY_RANK)
+            self._held = []
+        make_dirs(self.root, within=self.run_folder)
 
     def summary(self) -> str:
         """How far the copies on the next node trailed the local commits (the steps a lost node can cost beyond the
@@ -404,11 +432,16 @@ class PeerCopy:
         return tier.get("rank") == owner and all(tier.get(k) == mine[k] for k in ("origin", "lineage", "job",
                                                                                     "world_size"))
 
-    def restore(self, local: dict[int, layout.CheckpointInfo], floor: int | None, forks: list | None = None
-                ) -> list[int]:
-        """Collective. When a step newer than ``floor`` (the newest step every rank holds locally, or the shared tier's
-        newest, whichever is newer) is held by some node for every rank, each rank lacking it gets its part from a
-        holder and commits it in its own tier folder; ``local`` is listed again. Returns the ranks that did."""
+    def restore(self, local: dict[int, layout.CheckpointInfo], floor: int | None, forks: list | None = None, *,
+                below: int | None = None) -> list[int]:
+        """Collective. The newest step newer than ``floor`` (the newest step every rank holds locally, or the shared
+        tier's newest, whichever is newer) and older than ``below`` that some node holds for every rank: each rank
+        lacking it gets its part from a holder and commits it in its own tier folder; ``local`` is listed again.
+        Returns the ranks that did. A part that does not arrive (a holder's copy fails its checksum -- that copy is
+        removed -- or the receiver's tier is full, or the link fails) is tried from another holder, then the next
+        older step is, down to ``floor``: a step is given up only when no copy of it can serve, never for a newer
+        one that failed, so a restart falls back to the shared tier (whose steps the run then follows, retiring the
+        newer local ones) only when no node can give every rank a newer step."""
         rank = self.tier.rank
         self._forks = forks or []
         everyone = rank.gather([sorted(local), {o: sorted(s) for o, s in self.holdings().items()}])
@@ -418,48 +451,94 @@ class PeerCopy:
             for _, held in everyone:
                 steps |= {int(s) for s in held.get(r, ())}
             avail.append(steps)
-        best = max(set.intersection(*avail), default=None)
         newest = max(set.union(*avail), default=None)
-        if newest is not None and (best is None or newest > best) and (floor is None or newest > floor):
+        common = set.intersection(*avail)
+        best = max(common, default=None)
+        if below is None and newest is not None and (best is None or newest > best) and (
+                floor is None or newest > floor):
             # a rank with no local step at all lost its node's tier; without a copy elsewhere its newest part is gone
             lost = [r for r in range(rank.world_size) if newest not in avail[r] and not everyone[r][0]]
             if lost and rank.is_main:
                 _log.warning(f"peer copy: step {newest} is lost for rank(s) {', '.join(map(str, lost))} (no surviving "
                              "node holds their part); resuming from an older step")
-        if best is None or (floor is not None and best <= floor):
-            return []
-        plan = []  # (receiver, holder): the holder's node has the receiver's part of ``best``
-        for r in range(rank.world_size):
-            if best in everyone[r][0]:
+        candidates = sorted((s for s in common if (floor is None or s > floor) and (below is None or s < below)),
+                            reverse=True)
+        failed: set[tuple[int, int, int]] = set()  # (step, receiver, holder): tried, and it did not arrive
+        got: set[tuple[int, int]] = set()  # (step, receiver): arrived
+        fetched: list[int] = []
+        while candidates:
+            best = candidates[0]
+            plan = self._plan(best, everyone, failed, got)
+            if plan is None:  # some rank's part of it has no holder left to try
+                candidates.pop(0)
                 continue
-            holders = [h for h in range(rank.world_size) if best in {int(s) for s in everyone[h][1].get(r, ())}]
+            if not plan:
+                break
+            receivers = [r for r, _ in plan]
+            if rank.is_main:
+                _log.info(f"peer copy: step {best} for rank(s) {', '.join(map(str, receivers))} from a copy on another "
+                          "node" if any(h != r for r, h in plan) else
+                          f"peer copy: step {best} for rank(s) {', '.join(map(str, receivers))} from a copy on their "
+                          "node")
+            arrived = rank.gather(self._fetch(best, plan))  # the same view on every rank: the same next choice
+            for r, h in plan:
+                (got.add((best, r)) if arrived[r] else failed.add((best, r, h)))
+                if arrived[r]:
+                    fetched.append(r)
+            if all(arrived[r] for r in receivers):
+                break
+        local.clear()
+        local.update(self.tier.committed(forks))
+        return sorted(set(fetched))
+
+    @staticmethod
+    def _plan(step: int, everyone: list, failed: set, got: set) -> list[tuple[int, int]] | None:
+        """(receiver, holder) for each rank that lacks ``step``: the receiver's own node first, else the first holder
+        not yet tried; None when a rank lacks it and no untried holder is left."""
+        plan = []
+        for r in range(len(everyone)):
+            if step in everyone[r][0] or (step, r) in got:
+                continue
+            holders = [h for h in range(len(everyone)) if step in {int(s) for s in everyone[h][1].get(r, ())}
+                       and (step, r, h) not in failed]
+            if not holders:
+                return None
             plan.append((r, r if r in holders else holders[0]))
-        fetched = [r for r, _ in plan]
-        if rank.is_main:
-            _log.info(f"peer copy: step {best} for rank(s) {', '.join(map(str, fetched))} from a copy on another "
-                      "node" if any(h != r for r, h in plan) else
-                      f"peer copy: step {best} for rank(s) {', '.join(map(str, fetched))} from a copy on their node")
-        held = self.holdings() if any(h == rank.rank for _, h in plan) else {}  # read once, not per entry
+        return plan
+
+    def _fetch(self, step: int, plan: list[tuple[int, int]]) -> bool:
+        """This rank's side of one round of transfers (every rank runs each pair's swap in the same order); False when
+        this rank was to receive its part and it did not arrive. A holder whose own copy fails its manifest removes
+        it, with one line."""
+        me = self.tier.rank.rank
+        ok = True
+        held = self.holdings() if any(h == me for _, h in plan) else {}  # read once, not per entry
         for r, h in plan:
-            if rank.rank not in (r, h):
+            if me not in (r, h):
                 continue
-            land = self._landing(self.tier.root, r) if rank.rank == r else None
-            path = held.get(r, {}).get(best) if rank.rank == h else None
-            offer = (_offer_or_error(Path(path)) if path else ({"error": f"step {best} of rank {r} is gone"}, [])) \
-                if rank.rank == h else None
+            land = self._landing(self.tier.root, r, self.tier.folder) if me == r else None
+            path = held.get(r, {}).get(step) if me == h else None
+            offer = (_offer_or_error(Path(path)) if path else ({"error": f"step {step} of rank {r} is gone"}, [])) \
+                if me == h else None
             try:
                 if r == h:
                     if path is None:
                         raise CheckpointError(offer[0]["error"])
                     self._land_locally(Path(path), land)
                 else:
-                    self.link.swap(r if rank.rank == h else None, offer, h if rank.rank == r else None, land)
-            except Exception as e:  # noqa: BLE001 - the load then finds no local copy and chooses again
-                _log.warning(f"warning: peer copy: step {best} of rank {r} not restored "
-                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__})", extra=EVERY_RANK)
-        local.clear()
-        local.update(self.tier.committed(forks))
-        return fetched
+                    self.link.swap(r if me == h else None, offer, h if me == r else None, land)
+            except Exception as e:  # noqa: BLE001 - the ranks choose again: another holder, or an older step
+                why = str(e).splitlines()[0] if str(e) else type(e).__name__
+                _log.warning(f"warning: peer copy: step {step} of rank {r} not restored ({why})", extra=EVERY_RANK)
+                if me == r:
+                    ok = False
+                if isinstance(e, BadCopy) and path is not None:
+                    try:
+                        layout.remove_step_dir(Path(path), "move them out of the local tier")
+                        _log.info(f"peer copy: removed {path}: not usable ({why})", extra=EVERY_RANK)
+                    except (OSError, CheckpointError) as e2:
+                        _log.warning(f"warning: peer copy: cannot remove {path}: {e2}", extra=EVERY_RANK)
+        return ok
 
     @staticmethod
     def _land_locally(src: Path, land: Callable[[dict], _Landing]) -> None:
@@ -470,7 +549,7 @@ class PeerCopy:
             for piece in _chunks(files, json.loads(header["manifest"])["checksum"], bad, memoryview(bytearray(CHUNK))):
                 landing.feed(next(cuts)[0], piece)
             if bad:
-                raise CheckpointError(bad[0])
+                raise BadCopy(bad[0])
             landing.commit()
         except BaseException:
             landing.discard()

@@ -60,12 +60,15 @@ class LocalTier:
     """This rank's folder in its node's local tier, and its node leader's (read-only)."""
 
     def __init__(self, base: Path, rank: RankInfo, *, leader: int, identity: dict, keep: int = 2, copies: int = 1,
-                 generation: int = 0, setting: str = ""):
-        """``base``: the run's folder in the tier (places.Places.local); ``setting``: what names it, for messages."""
+                 generation: int = 0, setting: str = "", spares: bool = False):
+        """``base``: the run's folder in the tier (places.Places.local); ``setting``: what names it, for messages;
+        ``spares``: the backend overwrites retired payload files (Backend.reuses_files), so retirement keeps them."""
         base = Path(base)
         self._setting, self._folder_checked = setting or naming.setting("local_dir", base.parent), False
+        self._folder_lock = threading.Lock()  # the training, commit and peer threads all make folders here
+        self._held: set[int] = set()  # this rank's committed steps here, as last seen: named if the folder vanishes
         self.root = base / rank_dir_name(rank.rank)
-        self._private()  # refused before anything is read from there
+        self.private()  # refused before anything is read from there
         self.leader_root = base / rank_dir_name(leader)
         self.rank, self.leader, self.keep = rank, leader, max(keep, 1)
         self.copies = copies  # 2 with a peer copy: this node also keeps another node's part (peer.py)
@@ -73,20 +76,41 @@ class LocalTier:
         self.identity = {**identity, "rank": rank.rank, "leader": leader, "world_size": rank.world_size}
         self._writing = route.of(self.root)
         self._checked_space = False
-        self.spares = Spares(self.root / SPARE_DIR)
+        self.spares = Spares(self.root / SPARE_DIR) if spares else None
         self._leader_manifests: dict[Path, dict] = {}  # by local step folder: the leader's manifest ``usable`` checked
 
-    def _private(self) -> None:
+    def private(self) -> None:
         """The run's folder in the tier, 0700 and this user's (checkpoint/nodetrust.py): the tier sits in a folder every
-        user of the node shares, so nobody else may read a step or replace one. Checked once (0700 in a safe parent:
-        no one else can move it), and made again after a clear removed it."""
-        if self._folder_checked:
-            return
-        try:
-            nodetrust.private_folder(self.root.parent, self._setting)
-        except nodetrust.Untrusted as e:
-            raise CheckpointError(str(e)) from None
-        self._folder_checked = True
+        user of the node shares, so nobody else may read a step or replace one. Every folder made there (a save, a
+        peer copy, a restore) comes through here first, and the folders below it are made only inside it
+        (fsio.make_dirs ``within``), never under the umask: a run folder removed while the run goes on (a clean-up of
+        /dev/shm, an epilog, by hand) is made again the same way, with one line naming the steps it took along."""
+        with self._folder_lock:
+            run_folder = self.root.parent
+            if self._folder_checked and _plain_folder(run_folder):
+                return
+            gone, self._folder_checked = self._folder_checked, False
+            try:
+                nodetrust.private_folder(run_folder, self._setting)
+            except nodetrust.Untrusted as e:
+                raise CheckpointError(str(e)) from None
+            self._folder_checked = True
+            if gone:
+                held, self._held = sorted(self._held), set()
+                _log.warning(f"warning: local tier: {run_folder} had disappeared while the run went on, with "
+                             + (f"this rank's steps {', '.join(map(str, held))}" if held else "no step of this rank")
+                             + "; made again, this user's alone (0700)", extra=EVERY_RANK)
+
+    def folder(self) -> Path:
+        """This rank's folder, made (inside the private run folder) if missing."""
+        self.private()
+        with self._folder_lock:
+            if not self.root.is_dir() and self._held:
+                _log.warning(f"warning: local tier: {self.root} had disappeared while the run went on, with this "
+                             f"rank's steps {', '.join(map(str, sorted(self._held)))}; made again", extra=EVERY_RANK)
+                self._held = set()
+            make_dirs(self.root, within=self.root.parent)
+        return self.root
 
     @property
     def writes_shared(self) -> bool:
@@ -95,9 +119,10 @@ class LocalTier:
 
     # --- save ----------------------------------------------------------------------------------------------------
     def save_dir(self, run_id: str, step: int) -> Path:
-        self._private()
-        step_dir = self._writing.save_dir(self.root, run_id, step)
-        self._writing.prepare(step_dir)
+        step_dir = self._writing.save_dir(self.folder(), run_id, step)
+        if step_dir.exists():  # this incarnation's own leftover of a failed attempt (the name proves it)
+            storage.rmtree(step_dir)
+        make_dirs(step_dir, within=self.root)
         return step_dir
 
     def check_space(self, part_bytes: Callable[[], int], *, first_save: bool = True) -> None:
@@ -109,11 +134,12 @@ class LocalTier:
             return
         self._checked_space = first_save
         nbytes = part_bytes()
-        self._private()
-        make_dirs(self.root)
-        st = os.statvfs(self.root)
-        free = st.f_bavail * st.f_frsize + sum(_tree_bytes(p) for p in
-                                               [i.path for i in layout.list_checkpoints(self.root)] + [self.spares.dir])
+        st = os.statvfs(self.folder())
+        # what retention frees for the next saves counts as free: the steps, and spares only as far as the next save
+        # overwrites them (one part; Spares keeps at most two retirements' files, a backend that reuses none keeps none)
+        spare = _tree_bytes(self.spares.dir) if self.spares is not None else 0
+        free = (st.f_bavail * st.f_frsize + sum(_tree_bytes(i.path) for i in layout.list_checkpoints(self.root))
+                + min(spare, nbytes))
         need = (self.keep + 1) * nbytes * self.copies
         if need > free:
             raise CheckpointError(
@@ -128,7 +154,9 @@ class LocalTier:
         """Commit this rank's part of ``step`` (written in ``step_dir``) and publish it as ``rank-N/step-M``."""
         layout.commit(step_dir, step, self.rank.world_size, backend, [{"files": files}],
                       meta={**meta, "tier": {**self.identity, "generation": self.generation}})
-        return self._writing.publish(step_dir, self.root, step, guard=guard, tag=run_id)
+        published = self._writing.publish(step_dir, self.root, step, guard=guard, tag=run_id)
+        self._held.add(step)
+        return published
 
     def discard(self, step_dir: Path) -> None:
         try:
@@ -149,15 +177,19 @@ class LocalTier:
     def retain(self, protected: set[int], guard: Callable[[str], None], own_staging: str) -> None:
         """Keep the newest ``keep`` committed local steps and ``protected`` (not drained yet)."""
         apply_retention(self.root, self.keep, in_flight=protected, guard=guard, own_staging=own_staging,
-                               label=f"local tier {self.root}", quiet=True, salvage=self.spares.give)
+                        label=f"local tier {self.root}", quiet=True,
+                        salvage=self.spares.give if self.spares is not None else None)
+        self._held = {i.step for i in layout.list_checkpoints(self.root) if i.committed}
 
     # --- restart -------------------------------------------------------------------------------------------------
     def committed(self, forks: list | None = None) -> dict[int, layout.CheckpointInfo]:
         """This rank's committed local steps, not verified yet: ``usable`` verifies the one a restart picks, so a
         restart reads the bytes of that step only. ``forks``: the run's resumes (``abandoned``); a step of a line the
         run has left is not one of them."""
-        return {info.step: info for info in layout.list_checkpoints(self.root)
-                if info.committed and not (forks and abandoned(info.path, forks))}
+        found = {info.step: info for info in layout.list_checkpoints(self.root)
+                 if info.committed and not (forks and abandoned(info.path, forks))}
+        self._held = set(found)
+        return found
 
     def usable(self, info: layout.CheckpointInfo, shared: dict | None = None,
                ahead: layout.VerifiedAhead | None = None) -> bool:
@@ -208,9 +240,12 @@ class LocalTier:
                 self._remove(info, f"newer than step {step}, which the run continues from")
 
     def recover(self, own_staging: str) -> None:
-        """What a crashed incarnation left being written here goes (its committed steps stay)."""
+        """What a crashed incarnation left being written here goes (its committed steps stay), and spares where this
+        backend never reuses them (they would only hold space the space check cannot count)."""
         if self.root.is_dir():
             layout.recover(self.root, own_staging)
+            if self.spares is None:
+                shutil.rmtree(self.root / SPARE_DIR, ignore_errors=True)
 
     def clear(self) -> None:
         """Empty this rank's folder (a fresh start, or a clean end: everything is in the shared tier) of what PyRecover
@@ -218,7 +253,7 @@ class LocalTier:
         for info in layout.list_checkpoints(self.root):
             self._remove(info, "")
         self._writing.sweep(self.root, own_staging="", guard=layout.no_guard)  # interrupted saves, trash
-        shutil.rmtree(self.spares.dir, ignore_errors=True)
+        shutil.rmtree(self.root / SPARE_DIR, ignore_errors=True)
         try:
             self.root.rmdir()
         except FileNotFoundError:
@@ -231,10 +266,12 @@ class LocalTier:
         except OSError:
             pass
         self._folder_checked = False  # gone, or going with another rank's clear: the next save makes it again
+        self._held = set()
 
     def _remove(self, info: layout.CheckpointInfo, why: str) -> None:
         try:
             layout.remove_step_dir(info.path, "move them out of the local tier")
+            self._held.discard(info.step)
             if why:
                 _log.info(f"local tier: removed {info.path}: {why}", extra=EVERY_RANK)
         except (OSError, CheckpointError) as e:
@@ -253,25 +290,39 @@ class Spares:
     gives."""
 
     MIN_BYTES = 1 * MiB  # smaller files gain nothing worth a rename
-    LIMIT = 16  # files; more go (a save takes what one retirement gives, so the folder stays small)
+    LIMIT = 16  # files, at most; and none that no save took by the retirement after the one that gave it
 
     def __init__(self, folder: Path):
         self.dir = folder
         self._lock = threading.Lock()
         self._handed: set[str] = set()  # taken, about to be renamed away by the writer
+        self._round = 0  # retirements so far
+        self._given: dict[str, int] = {}  # spare -> the retirement that gave it (one left by a crash: 0)
 
     def give(self, step_dir: Path) -> None:
         with self._lock:
             try:
-                make_dirs(self.dir)
+                # only inside this rank's folder (it holds the step being retired): never a folder above it
+                make_dirs(self.dir, within=self.dir.parent)
+                self._round += 1
                 for f in sorted(step_dir.iterdir()):
                     st = f.lstat()
                     # a file with another name too (a hard link someone made to keep the step) is not ours to overwrite
                     if f.suffix == ".pt" and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size >= self.MIN_BYTES:
-                        os.rename(f, self.dir / f"{uuid.uuid4().hex[:12]}.spare")
-                spares = self._list()
-                for _, f in spares[:-self.LIMIT] if len(spares) > self.LIMIT else ():
+                        name = f"{uuid.uuid4().hex[:12]}.spare"
+                        os.rename(f, self.dir / name)
+                        self._given[name] = self._round
+                # a spare that no save took by the next retirement never will (another size, no save in between): it
+                # would only pile up (vanilla's did, 16 files on a tmpfs the space check had passed); one being taken
+                # now stays
+                listed = self._list()
+                self._given = {f.name: self._given.get(f.name, 0) for _, f in listed}  # the taken ones are gone
+                spares = [f for _, f in listed if f.name not in self._handed]
+                stale = [f for f in spares if self._given.get(f.name, 0) < self._round - 1]
+                fresh = [f for f in spares if f not in stale]
+                for f in stale + fresh[:-self.LIMIT]:
                     f.unlink(missing_ok=True)
+                    self._given.pop(f.name, None)
             except OSError as e:
                 _log.debug(f"local tier: keeping no spares ({e})")
 
@@ -307,6 +358,14 @@ def part_bytes(state: CheckpointState, shared: bool) -> int:
               if not (isinstance(p, OptimizerState) and not p.optimizer.state)]
     return sum(t.numel() * t.element_size() for p in pieces for _, t in flatten(p.state_dict())
                if isinstance(t, torch.Tensor))
+
+
+def _plain_folder(path: Path) -> bool:
+    """``path`` is a folder, not a link to one (whatever replaced ours is checked again by nodetrust)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _tree_bytes(path: Path) -> int:

@@ -301,7 +301,8 @@ def test_a_retired_local_step_gives_its_files_to_the_next_save(tmp_path):
     from checkpoint.tier import LocalTier, tier_root
 
     origin = str(tmp_path / "shared" / "run")
-    tier = LocalTier(tier_root(tmp_path, "run", origin), RankInfo(0, 1), leader=0, identity={"origin": origin})
+    tier = LocalTier(tier_root(tmp_path, "run", origin), RankInfo(0, 1), leader=0, identity={"origin": origin},
+                     spares=True)  # a backend that overwrites spares (concurrent)
     step = tier.root / layout.step_dir_name(2)
     step.mkdir(parents=True)
     (step / "model.pt").write_bytes(os.urandom(3 << 20))

@@ -119,6 +119,9 @@ class Backend(ABC):
     name: str = "?"
     #: how many saves may be in flight at once (1 = the next save waits for the previous one)
     max_in_flight: int = 1
+    #: a save overwrites the files handed to it (``save``'s ``spares``) instead of making new ones: only then does the
+    #: local tier keep a retired step's payload files for it (tier.Spares)
+    reuses_files: bool = False
 
     # --- capabilities (class attributes; mirrored in backends.CAPABILITIES, readable without importing the backend's
     # module: a subclass whose values differ from that table fails at its definition) ---

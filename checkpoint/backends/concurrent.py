@@ -277,6 +277,7 @@ class ConcurrentBackend(Backend):
     # capabilities (base.Backend; = backends.CAPABILITIES["concurrent"]): full state from rank 0, local only, and every
     # save persists in the background by design (no --async-checkpoint to ask for it)
     asynchronous = ASYNC_ALWAYS
+    reuses_files = True  # its writer overwrites a spare in place (fsio.atomic_write's ``reuse``)
     read_section = staticmethod(read_section)  # vanilla's files, in the same zip format
     parse_file = staticmethod(parse_file)
     files_read = staticmethod(files_read)
