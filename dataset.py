@@ -764,8 +764,9 @@ def check_val_apart(train_spec: str, val_spec: str) -> None:
         return
 
 
-#: the training text the overlap count compares at most (a larger corpus: its first this many characters)
-OVERLAP_BUDGET_CHARS = 1 << 30
+#: the training text the overlap count compares at most (a larger corpus: its first this many characters, a few
+#: seconds of reading at every start)
+OVERLAP_BUDGET_CHARS = 1 << 26
 
 
 def shared_documents(train_spec: str, val_spec: str, column: str = DEFAULT_COLUMN,

@@ -4,7 +4,7 @@
   inside a slow evaluation leads to a committed checkpoint and the exit within 15 s; the interrupted evaluation is
   not recorded, the resumed run evaluates that step first, and its val rows, loss rows and weights are bitwise the
   uninterrupted run's. The walltime rule counts an evaluation's measured duration before it starts one (in process,
-  over a fake clock). The eval line shows its duration.
+  over a fake clock). The eval line shows its duration, and the ETA counts the evaluations to come (in process).
 * 5: a --val-dataset that is a training file is refused in one line; documents it shares with the training data are
   counted in a warning.
 * 6: --check refuses an --init-from whose safetensors header is unreadable, and a bad JSON Lines record past the first.
@@ -175,6 +175,18 @@ def test_the_walltime_rule_counts_an_evaluation_before_it_starts():
     decision = policy(3)
     assert decision.stop and decision.save and decision.vote == WALLTIME
     assert "the evaluation due now 60.00s" in wt.explain(wt.eval_s)
+
+
+def test_the_eta_counts_the_evaluations_to_come():
+    """In process: 5 of 10 steps in 10 s, of which one evaluation took 4 s; evaluations at every 2nd step: 5 steps
+    at 1.2 s and 3 evaluations (6, 8, 10) at 4 s."""
+    from metrics import Metrics
+
+    metrics = Metrics(writer=True, csv_path=None, total_steps=10, evaluations=lambda a, b: b // 2 - a // 2)
+    metrics.note_eval(2, {"val_loss": 1.0, "val_ppl": 2.7, "val_tokens": 64, "eval_loss": 1.0, "probe_loss": 1.0},
+                      4.0)
+    metrics._t_loop = time.monotonic() - 10.0
+    assert metrics._eta(5) == "0:00:18"
 
 
 # --- 5: a validation set that is training data ------------------------------------------------------------------------
