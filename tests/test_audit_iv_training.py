@@ -70,16 +70,13 @@ def eval_args(corpus: str, val: Path, ck: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def whole(corpus, val_parquet, tmp_path_factory) -> Path:
-    """The uninterrupted run (1 rank): evaluations at steps 2 and 4."""
+def whole(corpus, val_parquet, tmp_path_factory) -> tuple[Path, str]:
+    """The uninterrupted run (1 rank): evaluations at steps 2 and 4. Its folder and its output."""
     ck = tmp_path_factory.mktemp("whole")
     done = run_train(eval_args(corpus, val_parquet, ck) + ["--experiment_name", "whole"], timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert [r[0] for r in val_rows(ck / "whole" / "val.csv")] == ["2", "4"]
-    # the eval line says how long the evaluation took
-    assert re.search(r"^eval step 2: val loss \S+ ppl \S+ \(\d+ tokens, \d+\.\ds\)$", done.stdout, re.M), \
-        done.stdout[-3000:]
-    return ck / "whole"
+    return ck / "whole", done.stdout
 
 
 def ranks(args: list[str], out: Path, env: dict, world: int) -> list[subprocess.Popen]:
@@ -137,6 +134,9 @@ def test_sigusr1_inside_an_evaluation_saves_at_once_and_the_resumed_run_is_bitwi
     args = eval_args(corpus, val_parquet, ck) + ["--experiment_name", "stopped"]
     took = stop_inside_evaluation(args, ck / "stopped", tmp_path, signal.SIGUSR1, world=1, to_rank=0)
     print(f"SIGUSR1 inside an evaluation: committed and exited in {took:.1f}s")
+    whole, said = whole
+    # the eval line says how long the evaluation took
+    assert re.search(r"^eval step 2: val loss \S+ ppl \S+ \(\d+ tokens, \d+\.\ds\)$", said, re.M), said[-3000:]
     assert not (ck / "stopped" / "val.csv").exists() or val_rows(ck / "stopped" / "val.csv") == []
 
     resumed = run_train(args + ["--resume-from-checkpoint", "latest"], timeout=300)
