@@ -148,12 +148,20 @@ def test_sigusr1_inside_an_evaluation_saves_at_once_and_the_resumed_run_is_bitwi
     assert same.returncode == 0, same.stdout + same.stderr
 
 
-def test_sigterm_to_one_of_two_ranks_inside_an_evaluation_stops_both_at_once(tmp_path, corpus, val_parquet):
+def test_sigterm_to_one_of_two_ranks_inside_a_saves_evaluation_stops_both_at_once(tmp_path, corpus, val_parquet):
+    """The evaluation a periodic save makes for its card (no --eval-every): the save it belongs to becomes the stop's,
+    with the probe alone in its card (the resumed run owes that evaluation)."""
     ck = tmp_path / "ck"
-    args = eval_args(corpus, val_parquet, ck) + ["--experiment_name", "two"]
+    args = eval_args(corpus, val_parquet, ck) + ["--eval-every", "0", "--checkpoint-frequency", "2",
+                                                 "--experiment_name", "two"]
     took = stop_inside_evaluation(args, ck / "two", tmp_path, signal.SIGTERM, world=2, to_rank=1)
-    print(f"SIGTERM to rank 1 inside an evaluation (2 ranks): committed and exited in {took:.1f}s")
-    assert "another rank received a stop signal" in (tmp_path / "rank0.log").read_text()
+    print(f"SIGTERM to rank 1 inside a save's evaluation (2 ranks): committed and exited in {took:.1f}s")
+    said = (tmp_path / "rank0.log").read_text()
+    assert "saving and stopping at step 2: another rank received a stop signal" in said, said[-3000:]
+    import json
+
+    card = json.loads((ck / "two" / "step-00000002" / "manifest.json").read_text())["meta"]["card"]
+    assert "probe_loss" in card["eval"] and "eval_loss" not in card["eval"], card["eval"]
 
 
 def test_the_walltime_rule_counts_an_evaluation_before_it_starts():
