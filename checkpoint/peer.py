@@ -16,7 +16,9 @@ training never waits for it. Every rank saves the same steps, so the swaps pair 
 
 A restart (``restore``) first asks every rank what its node holds of this run -- any rank's folder or peer copy. A rank
 whose node lost its local tier gets its part of the newest step that every rank can get, from whichever rank's node
-holds it, over the same group, committed in its own tier folder; then the load goes on as with the tier alone, which
+holds it, over the same group, committed in its own tier folder (a copy that does not arrive -- it fails its checksum,
+the receiver's tier is full -- makes the ranks choose again: another holder, then an older step, down to the shared
+tier, as a local copy that fails does); then the load goes on as with the tier alone, which
 verifies each part against its manifest and this run's identity (origin, lineage, job, world size, rank, leader) before
 anything is trusted. Nothing from a peer is taken that a local copy would not be.
 """

@@ -8,7 +8,8 @@ step every rank can load.
                                 verified before a load): rank-00003.pt, and on the node's first rank (its *leader*) the
                                 shared pieces too (model.pt, optimizer.pt, ...), which every rank of the node loads
         .staging-<run id>/      saves being written (published by rename, as in the shared tier)
-        .spare/                 payload files of retired steps, to be overwritten by the next saves (Spares)
+        .spare/                 payload files of retired steps, to be overwritten by the next saves (Spares; only
+                                for a backend that overwrites files: Backend.reuses_files)
 
 The run's folder is this user's alone (0700; checkpoint/nodetrust.py): the tier sits in a folder every user of the
 node shares.
