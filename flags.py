@@ -160,8 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
               "or a Hugging Face model id (org/name[@revision]) already in the local HF cache (HF_HUB_CACHE / HF_HOME). "
               "Not given with --init-from DIR: DIR's tokenizer.json / tokenizer.model when it has one")
     flag("--force-tokenizer", action="store_true",
-         help="train with --tokenizer-name-or-path although its vocabulary is not --init-from's tokenizer's (the "
-              "embeddings then mean other tokens)")
+         help="train with --tokenizer-name-or-path although its vocabulary is not --init-from's tokenizer's, or "
+              "leaves more than 1,024 of its embedding rows unused (the embeddings then mean other tokens)")
     flag("--sequence-length", type=int, default=128, help="tokens per training sample")
     flag("--batch-size", type=int, default=8, help="samples per step PER RANK (global batch = batch-size x ranks)")
     flag("--seed", type=int, default=42, help="seeds model init, data order and every RNG")
