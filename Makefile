@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST    := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
 
-.PHONY: help install install-dev data train test test-fast faults bench bench-detail bench-mirror bench-data goodput powerloss clean distclean gpu-check
+.PHONY: help install install-dev data train test test-fast faults bench bench-detail bench-mirror bench-data bench-cli goodput powerloss clean distclean gpu-check
 
 help:
 	@echo "make install    .venv with what training needs (pip install -e .; CPU: torch 2.13.0); make install-dev adds .[dev]"
@@ -28,6 +28,7 @@ help:
 	@echo "make bench-detail  per-backend save/load/burst/throughput tables: results/checkpoint_bench.{md,png}"
 	@echo "make bench-mirror  training stall: checkpoints straight to S3 (SeaweedFS) vs local disk + --mirror-dir s3://: results/mirror.{md,json}; ARGS=\"--repeats N --steps N --every N\""
 	@echo "make bench-data sharded data: tokenization tokens/s with 1 and 2 workers vs the tokenizer's own, loader memory at 10x the corpus: results/bench_data.{md,json}; ARGS=\"--quick\""
+	@echo "make bench-cli  how fast the command line answers: train.py --help / a bad flag and the other programs' --help vs import torch, same run; ARGS=\"--repeats N\" or \"--quick\""
 	@echo "make goodput    goodput under a seeded kill schedule (MTBF 40 s) per checkpoint configuration: results/goodput.{md,json,png}; ARGS=\"--mtbf S --seed N --steps N --repeats R --configs a,b --quick\"; ARGS=--node-loss: a node's local tier lost at each kill, with and without --peer-checkpoint: results/goodput-node-loss.{md,json}"
 	@echo "make gpu-check  every CUDA path in one check of <= 8 min on one GPU (bitwise kill/resume, stall, MFU, memory, restart): \$$OUT or results/gpu-check/gpu_check.{md,json}; ARGS=\"--cpu\" tiny sizes on CPU (in make test)"
 	@echo "make powerloss  power-loss campaign: every crash state of a traced run (recording FUSE filesystem) resumed and checked bitwise, per backend + mirror, posix/ext4/nfs profiles; ARGS=\"--variants N --max-runs N --seed S\""
@@ -97,6 +98,9 @@ bench-data: $(DATA)
 
 goodput: $(DATA)
 	$(PY) -m benchmarks.goodput $(ARGS)
+
+bench-cli:
+	$(PY) -m benchmarks.cli $(ARGS)
 
 # One command on a GPU node (docs/install.md "GPU check"); ARGS=--cpu runs the same script on CPU with tiny sizes.
 gpu-check: $(DATA)

@@ -116,33 +116,9 @@ def sample(path, prompt: str, max_new_tokens: int, *, temperature: float = 0.8, 
     return step_dir, prompt + tok.decode(new)
 
 
-def add_parser(sub) -> argparse.ArgumentParser:
-    """The `sample` subcommand of evaluation.py."""
-    from checkpoint import storage
-
-    p = sub.add_parser("sample", help="generate text from a checkpoint (no export needed)")
-    p.add_argument("path", type=storage.as_path, nargs="+",
-                   help="step folder, or run folder (its newest valid checkpoint); several: one sample each, after a "
-                        "'--- STEP_FOLDER' line")
-    p.add_argument("--prompt", default="", help="text to continue (default: a new document)")
-    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate (default 100)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=200, help="sample among the K most likely tokens (default 200)")
-    p.add_argument("--seed", type=int, default=1337, help="the draws' seed (default 1337)")
-    p.add_argument("--device", default="cpu", help="where to run the model (default cpu)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer name or path (default: the one the run trained with)")
-    return p
-
-
 def run(args: argparse.Namespace) -> int:
-    """`python evaluation.py sample ...`: the text on stdout; which checkpoint on stderr."""
-    from checkpoint.errors import CheckpointError
-
-    for what, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--top-k", args.top_k, 1)):
-        if value < low:
-            raise CheckpointError(f"{what} {value} is out of range; give a number >= {low}")
-    if not args.temperature >= 0 or args.temperature == float("inf"):
-        raise CheckpointError(f"--temperature {args.temperature} is out of range; give a finite number >= 0")
+    """`python evaluation.py sample ...` (its flags: evaluation.build_parser, checked by evaluation.parse_args): the
+    text on stdout; which checkpoint on stderr."""
     for path in args.path:  # each from the same seed: checkpoints of one training give one text
         step_dir, text = sample(path, args.prompt, args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, seed=args.seed, device=args.device, tokenizer=args.tokenizer)

@@ -31,9 +31,8 @@ from pathlib import Path
 from . import layout, logs, storage
 from .errors import CheckpointError
 from .fsio import MiB
-from .convert import FORMATS
+from .backend_names import FORMATS  # convert's; convert itself (torch) loads when it runs
 from .places import PEER_DIR, tier_root  # <tier>/peer/rank-N/step-M: the copies this node holds of rank N's parts
-from .reader import check_each, read_section, targets as _targets
 from .retention import best_steps, eval_loss
 
 
@@ -256,6 +255,8 @@ def _is_tier(path) -> bool:
 
 
 def cmd_verify(path: Path) -> int:
+    from .reader import check_each  # torch: loaded for the commands that read tensors
+
     return check_each(path, lambda info, manifest: (True, f"OK ({len(manifest['files'])} files verified)"))
 
 
@@ -274,6 +275,8 @@ def _show_card(card: dict) -> None:
 
 
 def cmd_inspect(path: Path) -> int:
+    from .reader import read_section, targets as _targets  # torch
+
     targets = _targets(path) if not path.is_file() else None
     if targets == []:
         raise CheckpointError(f"no checkpoints under {path} (expected a step-N folder or an experiment folder)")

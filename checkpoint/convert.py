@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import logging
 from . import layout, storage
+from .backend_names import FORMATS
 from .backends import BACKENDS, backend_class
 from .errors import CheckpointError
 from .reader import locate, section_reader
 from .state import TENSOR_SECTIONS
 
 _log = logging.getLogger(__name__)
-
-FORMATS = ("vanilla", "dcp")
 
 
 def _is_tensor_payload(name: str, backend: str) -> bool:

@@ -27,7 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from . import storage
-from .backends import BACKENDS  # the registry alone: the backend modules, which build on this one, load lazily
+from .backend_names import BACKEND_NAMES  # the names alone: the registry imports torch, this module does not
 from .errors import CheckpointError
 from .fsio import (CHECKSUM_ALGORITHM, HASHERS, atomic_write_bytes, checksum_bytes, fsync_dir, make_dirs,  # noqa: F401
                    not_regular)
@@ -273,7 +273,7 @@ def check_manifest(manifest, step_dir: Path) -> dict:
     fields = {
         "step": (lambda v: is_int(v) and 0 <= v <= MAX_STEP, f"an integer from 0 to {MAX_STEP:.0e}"),
         "world_size": (lambda v: is_int(v) and 1 <= v <= MAX_WORLD_SIZE, f"an integer from 1 to {MAX_WORLD_SIZE}"),
-        "backend": (lambda v: v in BACKENDS, f"one of {', '.join(BACKENDS)}"),
+        "backend": (lambda v: v in BACKEND_NAMES, f"one of {', '.join(BACKEND_NAMES)}"),
         "checksum": (lambda v: isinstance(v, str) and v != "", "a checksum algorithm name"),
         "files": (lambda v: isinstance(v, dict), "an object of file name -> record"),
     }

@@ -79,3 +79,38 @@ def test_train_rank_above_zero_names_itself(tmp_path):
                           text=True, timeout=120, env=env_for_tests({"RANK": "1", "WORLD_SIZE": "2"}), cwd=ROOT)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error (rank 1): --batch-size 0 is out of range; give a number >= 1"], proc.stderr
+
+
+# The other programs parse their command lines before torch too: `python -m checkpoint` (its package loads its names
+# on first use), evaluation.py, hf.py and dataset.py (each parses at its top, then imports torch).
+@pytest.mark.parametrize("program", [["-m", "checkpoint"], [str(ROOT / "evaluation.py")], [str(ROOT / "hf.py")],
+                                     [str(ROOT / "dataset.py")]], ids=["checkpoint", "evaluation", "hf", "dataset"])
+def test_the_other_programs_help_without_torch(program, tmp_path):
+    code, out, lines, modules = light([*program, "--help"], cwd=tmp_path)
+    assert code == 0 and out.startswith("usage: ") and not lines, (out, lines)
+    assert "torch" not in modules
+    code, _, lines, modules = light([*program, "nope"], cwd=tmp_path)  # not a subcommand: argparse's usage, exit 2
+    assert code == 2 and "invalid choice: 'nope'" in lines[-1] and "torch" not in modules, lines
+
+
+@pytest.mark.parametrize("args, wanted", [
+    (["-m", "checkpoint", "list", "{tmp}/nowhere"], "{tmp}/nowhere does not exist"),
+    (["-m", "checkpoint", "verify", "{tmp}/nowhere"], "{tmp}/nowhere does not exist"),
+    (["evaluation.py", "validate", "{tmp}/nowhere"], "{tmp}/nowhere does not exist"),
+    (["evaluation.py", "sample", "{tmp}", "--top-k", "0"], "--top-k 0 is out of range"),
+    (["hf.py", "export", "{tmp}/nowhere", "{tmp}/out", "--to", "hf"], "{tmp}/nowhere does not exist"),
+    (["hf.py", "export", "{tmp}", "{tmp}/out", "--to", "hf", "--max-shard-size", "big"], "'big' is not a size"),
+    (["dataset.py", "prepare", "--dataset", "{tmp}/nope.parquet"], "data file {tmp}/nope.parquet does not exist"),
+    (["dataset.py", "prepare", "--workers", "0"], "--workers 0 is invalid"),
+])
+def test_the_other_programs_refuse_before_importing_torch(tmp_path, args, wanted):
+    args = [str(ROOT / a) if a.endswith(".py") else a.replace("{tmp}", str(tmp_path)) for a in args]
+    refused(args, wanted.replace("{tmp}", str(tmp_path)), cwd=tmp_path)
+
+
+def test_the_cli_benchmark_runs():
+    """`make bench-cli` (benchmarks/cli.py), one round: every command exits as it should, and the table is printed."""
+    proc = subprocess.run([PY, "-m", "benchmarks.cli", "--quick"], capture_output=True, text=True, timeout=300,
+                          env=env_for_tests(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "| `train.py --bogus-flag` |" in proc.stdout and "x `import torch`" in proc.stdout, proc.stdout
