@@ -438,12 +438,11 @@ class PeerCopy:
                 below: int | None = None) -> list[int]:
         """Collective. The newest step newer than ``floor`` (the newest step every rank holds locally, or the shared
         tier's newest, whichever is newer) and older than ``below`` that some node holds for every rank: each rank
-        lacking it gets its part from a holder and commits it in its own tier folder; ``local`` is listed again.
+        lacking it gets its part from a holder and commits it in its own tier folder, and adds it to ``local``.
         Returns the ranks that did. A part that does not arrive (a holder's copy fails its checksum -- that copy is
         removed -- or the receiver's tier is full, or the link fails) is tried from another holder, then the next
-        older step is, down to ``floor``: a step is given up only when no copy of it can serve, never for a newer
-        one that failed, so a restart falls back to the shared tier (whose steps the run then follows, retiring the
-        newer local ones) only when no node can give every rank a newer step."""
+        older step is, down to ``floor``: a restart falls back to the shared tier (whose step the run then follows,
+        retiring the newer local ones) only when no node could give every rank a newer step."""
         rank = self.tier.rank
         self._forks = forks or []
         everyone = rank.gather([sorted(local), {o: sorted(s) for o, s in self.holdings().items()}])
@@ -489,8 +488,10 @@ class PeerCopy:
                     fetched.append(r)
             if all(arrived[r] for r in receivers):
                 break
-        local.clear()
-        local.update(self.tier.committed(forks))
+        mine = {s for s, r in got if r == rank.rank}
+        if mine:  # only what arrived is added: a step the load refused (and could not remove) never comes back
+            listed = self.tier.committed(forks)
+            local.update({s: listed[s] for s in mine if s in listed})
         return sorted(set(fetched))
 
     @staticmethod
