@@ -4,7 +4,7 @@ Also the rules for flags that differ from the checkpoint's on resume (docs/check
 resume"): which take effect from the resumed step and which are refused.
 
 Imports the stdlib and torch-free modules only (presets, devices, tokenizer's names, the checkpoint package's naming,
-walltime, policy and backend_names): train.py parses and checks its flags with this module before it imports torch,
+walltime, policy and backend_table): train.py parses and checks its flags with this module before it imports torch,
 so --help, --version and a mistyped flag answer in a fraction of torch's import time.
 """
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from checkpoint import naming
 from checkpoint import policy as stop_policy
-from checkpoint.backend_names import BACKEND_NAMES
+from checkpoint.backend_table import BACKEND_NAMES, combination_refusal
 from checkpoint.walltime import parse_walltime
 from devices import DEVICES, DTYPE_NAMES
 from tokenizer import DEFAULT_TOKENIZER, folder_tokenizer
@@ -414,6 +414,15 @@ def check_flags(args: argparse.Namespace, *, writes_csv: bool = True) -> None:
     if args.model not in PRESETS and not os.path.isfile(args.model):
         raise BadInput(f"--model: {_model_problem(args.model)}")
     check_schedule(args)
+
+
+def check_backend(args: argparse.Namespace) -> None:
+    """The checkpoint backend can do what the flags ask: the refusal checkpoint.Session gives for the same settings
+    (train.checkpoint_settings), from the backends' table alone, so it comes before torch loads."""
+    if why := combination_refusal(args.checkpoint_backend, sharded=args.distributed and args.parallel == "fsdp",
+                                  checkpoint_dir=args.checkpoint_dir, async_save=args.async_checkpoint,
+                                  jit=args.jit_checkpoint, local_tier=bool(args.local_checkpoint_dir)):
+        raise BadInput(why)
 
 
 def check_data_paths(args: argparse.Namespace) -> None:

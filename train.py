@@ -56,7 +56,7 @@ if __name__ == "__main__":
     # loaded -- a bad flag, value or combination, a missing file, a bad --config file -- answer in a fraction of the
     # imports' time below. main() takes these flags: parsed once. (A warm standby, asked first, parses them itself.)
     def _flags_first() -> argparse.Namespace:
-        from flags import BadInput, check_data_paths, check_flags, parse_args, spell_settings
+        from flags import BadInput, check_backend, check_data_paths, check_flags, parse_args, spell_settings
         from tokenizer import DataError
 
         spell_settings()  # the checkpoint package's refusals name this command line's flags
@@ -65,6 +65,7 @@ if __name__ == "__main__":
                     0) if args.distributed else 0
         try:
             check_flags(args, writes_csv=rank == 0)  # preflight checks them again (in-process callers of main)
+            check_backend(args)  # what the checkpoint Session would refuse of these flags, from its table alone
             check_data_paths(args)
         except (BadInput, DataError) as e:  # one line, as preflight's refusals (rank > 0 names itself), exit 2
             print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)

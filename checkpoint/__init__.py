@@ -2,7 +2,7 @@
 loop, ``Session`` (session.py). A training script needs only the names below.
 
 The names are loaded when first used (module ``__getattr__``): most of the package needs torch, and a command line
-reads its pure modules (naming, walltime, policy's signal names, backend_names) to check its flags before torch is
+reads its pure modules (naming, walltime, policy's signal names, backend_table) to check its flags before torch is
 imported. ``from checkpoint import Session`` works as before."""
 
 from __future__ import annotations

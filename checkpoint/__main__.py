@@ -31,7 +31,7 @@ from pathlib import Path
 from . import layout, logs, storage
 from .errors import CheckpointError
 from .fsio import MiB
-from .backend_names import FORMATS  # convert's; convert itself (torch) loads when it runs
+from .backend_table import FORMATS  # convert's; convert itself (torch) loads when it runs
 from .places import PEER_DIR, tier_root  # <tier>/peer/rank-N/step-M: the copies this node holds of rank N's parts
 from .retention import best_steps, eval_loss
 

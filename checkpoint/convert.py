@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from . import layout, storage
-from .backend_names import FORMATS
+from .backend_table import FORMATS
 from .backends import BACKENDS, backend_class
 from .errors import CheckpointError
 from .reader import locate, section_reader

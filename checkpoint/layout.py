@@ -27,7 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from . import storage
-from .backend_names import BACKEND_NAMES  # the names alone: the registry imports torch, this module does not
+from .backend_table import BACKEND_NAMES  # the names alone: the registry imports torch, this module does not
 from .errors import CheckpointError
 from .fsio import (CHECKSUM_ALGORITHM, HASHERS, atomic_write_bytes, checksum_bytes, fsync_dir, make_dirs,  # noqa: F401
                    not_regular)

@@ -57,6 +57,8 @@ def test_train_help_and_version_answer_without_torch():
     (["--signal", "9"], "SIGKILL (9) cannot be caught"),
     (["--walltime", "soon"], "--walltime"),
     (["--parallel", "fsdp"], "--parallel fsdp shards the model over the ranks"),
+    (["--async-checkpoint"], "--async-checkpoint is for --checkpoint-backend dcp"),  # the backends' table
+    (["--checkpoint-dir", "s3://bucket/runs"], "--checkpoint-dir s3://bucket/runs is object storage"),
     (["--experiment_name", ".."], "is not a plain folder name"),
     (["--dataset", "{tmp}/nope.parquet"], "data file {tmp}/nope.parquet does not exist"),
     (["--val-dataset", "{tmp}/nope.parquet"], "--val-dataset {tmp}/nope.parquet does not exist"),
@@ -69,8 +71,8 @@ def test_train_refuses_before_importing_torch(tmp_path, args, wanted):
     (tmp_path / "bad.toml").write_text("learning_rate = = 1\n")
     (tmp_path / "unknown.toml").write_text("learnin_rate = 0.1\n")
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    refused([str(ROOT / "train.py"), *args, "--checkpoint-dir", str(tmp_path / "ck")], wanted.replace("{tmp}",
-                                                                                                       str(tmp_path)))
+    refused([str(ROOT / "train.py"), "--checkpoint-dir", str(tmp_path / "ck"), *args],
+            wanted.replace("{tmp}", str(tmp_path)))
     assert not (tmp_path / "ck").exists()
 
 

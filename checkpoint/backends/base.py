@@ -14,23 +14,9 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from ..backend_table import ASYNC_ALWAYS, ASYNC_OPTIONAL, Capabilities  # noqa: F401 - torch-free
 from ..errors import CheckpointError
 from ..state import TENSOR_SECTIONS, CheckpointState, holds_dtensors
-
-#: values of ``Backend.asynchronous``
-ASYNC_OPTIONAL = "optional"  # synchronous saves unless asked (--async-checkpoint): then they persist in the background
-ASYNC_ALWAYS = "always"  # every save persists in the background by design; there is nothing to ask for
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a backend can do, as the class attributes of the same names on its :class:`Backend` class (see there).
-    Every refusal of a flag combination is derived from these, in one place: ``backends.check_combination``."""
-
-    sharded: bool = False
-    remote_ok: bool = False
-    asynchronous: str | None = None
-
 
 @dataclass(frozen=True)
 class RankInfo:
