@@ -1327,7 +1327,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _PARSED if argv is None and _PARSED is not None else parse_args(argv)
         _PARSED = None  # taken once
-        {"build-default": _cmd_build_default, "prepare": _cmd_prepare, "bench-tokenizer": _cmd_bench}[args.command](args)
+        command = {"build-default": _cmd_build_default, "prepare": _cmd_prepare, "bench-tokenizer": _cmd_bench}
+        command[args.command](args)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
