@@ -61,7 +61,8 @@ def test_train_help_and_version_answer_without_torch():
     (["--checkpoint-dir", "s3://bucket/runs"], "--checkpoint-dir s3://bucket/runs is object storage"),
     (["--experiment_name", ".."], "is not a plain folder name"),
     (["--dataset", "{tmp}/nope.parquet"], "data file {tmp}/nope.parquet does not exist"),
-    (["--val-dataset", "{tmp}/nope.parquet"], "--val-dataset {tmp}/nope.parquet does not exist"),
+    (["--dataset", "{tmp}/train.parquet", "--val-dataset", "{tmp}/nope.parquet"],  # only their names are looked at
+     "--val-dataset {tmp}/nope.parquet does not exist"),
     (["--init-from", "{tmp}/nowhere"], "is not a folder"),
     (["--config", "{tmp}/missing.toml"], "cannot read it"),
     (["--config", "{tmp}/bad.toml"], "is not valid TOML"),
@@ -70,6 +71,7 @@ def test_train_help_and_version_answer_without_torch():
 def test_train_refuses_before_importing_torch(tmp_path, args, wanted):
     (tmp_path / "bad.toml").write_text("learning_rate = = 1\n")
     (tmp_path / "unknown.toml").write_text("learnin_rate = 0.1\n")
+    (tmp_path / "train.parquet").write_bytes(b"")
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     refused([str(ROOT / "train.py"), "--checkpoint-dir", str(tmp_path / "ck"), *args],
             wanted.replace("{tmp}", str(tmp_path)))
