@@ -11,9 +11,10 @@ HAS_GPU  := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev
 STEPS    ?= 300
 K        ?= 20
 PYTEST_ARGS ?=
-# Two pytest workers (pytest-xdist): a module's tests stay in one worker, the SLURM tests in one, the S3 tests in one
-# (tests/conftest.py); 0 runs the suite in one process
-TEST_WORKERS ?= 2
+# Three pytest workers (pytest-xdist) on two cores: many tests wait (a kill timed on a loss row, a SLURM job on its
+# time limit), and a third worker fills that idle time. A module's tests stay in one worker, the SLURM tests in one,
+# the S3 tests in one (tests/conftest.py); 0 runs the suite in one process
+TEST_WORKERS ?= 3
 XDIST    := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
 
 .PHONY: help install install-dev data train test test-fast faults bench bench-detail bench-mirror bench-data bench-cli goodput powerloss clean distclean gpu-check
@@ -81,7 +82,7 @@ test: $(DATA) $(VENV)/.installed-dev
 	  $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: $(DATA) $(VENV)/.installed-dev
-	$(PY) -m pytest $(XDIST) -m "not slurm and not s3" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 faults: $(DATA)
 	$(PY) -m tests.faults --trials $(K) $(ARGS)

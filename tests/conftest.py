@@ -82,7 +82,7 @@ class LongestFirst(OrderedDict):
             self.move_to_end(later)
 
 
-@pytest.hookimpl(optionalhook=True)  # pytest-xdist's; `make test` runs the suite on two workers
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's; `make test` runs the suite on three workers
 def pytest_xdist_make_scheduler(config, log):
     """A module's tests run in one worker, so its module fixtures (an uninterrupted reference run) run once; all the
     SLURM tests share one worker (each cluster started once), and so do the S3 tests (one server). The biggest groups
@@ -107,3 +107,15 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_configure(config):
     config.addinivalue_line("markers", "benchmark_smoke: runs a benchmark harness end to end on a tiny schedule "
                                        "(checks the harness, measures nothing)")
+
+
+# `make test-fast` is `-m "not slow"`: a module of end-to-end runs says so itself (its pytestmark), and these groups
+# are long by what they need (a SLURM cluster, an S3 server, a benchmark harness), so one marker makes the split.
+LONG_BY_NATURE = ("slurm", "s3", "benchmark_smoke")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects (the slurm and s3 modules carry their marker themselves)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(item.get_closest_marker(name) for name in LONG_BY_NATURE):
+            item.add_marker(pytest.mark.slow)

@@ -18,6 +18,8 @@ import pytest
 
 from helpers import TINY, check_weights, kill_run_at_row, loss_rows, run_torchrun, torchrun_cmd
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test`, not `make test-fast`
+
 STEPS, FREQ = 8, 4
 CASES = {  # parallel mode: (activation checkpointing until the kill, after the resume, the flags both run with)
     "ddp": ("full", "selective", ["--parallel", "ddp", "--gradient-accumulation-steps", "2", "--lr-schedule", "linear"]),

@@ -26,6 +26,8 @@ import pytest
 from helpers import (PY, ROOT, TINY, csv_rows, env_for_tests, in_ci, kill_run_at_row, kill_tree, run_torchrun,
                      run_train, torchrun_cmd)
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test`, not `make test-fast`
+
 TWO_NODES = {"PYRECOVER_TEST_RANKS_PER_NODE": "1"}
 NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
 LOCAL_EVERY, KEEP = 2, 3

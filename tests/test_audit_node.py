@@ -24,6 +24,8 @@ import pytest
 
 from helpers import PY, ROOT, TINY, csv_rows, env_for_tests, in_ci, run_train
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test`, not `make test-fast`
+
 NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
 
 

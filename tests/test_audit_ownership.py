@@ -19,6 +19,8 @@ import pytest
 from helpers import PY, ROOT, env_for_tests, in_ci, run_train, start_train
 from test_single_writer import _args, _no_traceback, _part_run_ids
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test`, not `make test-fast`
+
 STEPS, FREQ = 20, 5
 
 

@@ -77,6 +77,7 @@ def test_check_weights_refuses_a_tolerance_that_cannot_compare(tmp_path, toleran
 # --- --force-takeover: nothing that can refuse the new start comes after the takeover -----------------------------
 
 
+@pytest.mark.slow
 def test_force_takeover_refused_on_resume_fences_nothing(tmp_path, corpus):
     """B passes --force-takeover with a flag the checkpoint refuses (another --seed): B is refused before it takes the
     run directory over, so A -- alive, frozen meanwhile -- is not fenced and finishes."""

@@ -19,9 +19,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from helpers import PY, ROOT, TINY, env_for_tests, run_torchrun, run_train
+
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test`, not `make test-fast`
 
 SWAP = "layers.0.attention.wq.weight,layers.0.attention.wo.weight"  # both dim x dim in the tiny preset
 

@@ -22,6 +22,8 @@ from checkpoint import layout  # noqa: E402
 from checkpoint.retention import apply_retention  # noqa: E402
 import warm  # noqa: E402
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test`, not `make test-fast`
+
 STEPS = 24
 FREQ = 4
 

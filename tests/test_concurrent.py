@@ -30,6 +30,8 @@ from checkpoint.backends import torchzip  # noqa: E402
 from checkpoint.state import CheckpointState, ModelState, OptimizerState  # noqa: E402
 from model import Transformer, get_config  # noqa: E402
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test`, not `make test-fast`
+
 STEPS = 8
 FREQ = 2
 SAVES = list(range(FREQ, STEPS + 1, FREQ))  # 2 4 6 8

@@ -26,6 +26,8 @@ import xxhash
 
 from helpers import PY, ROOT, TINY, check_weights, env_for_tests, free_port, in_ci, run_train
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test`, not `make test-fast`
+
 # More tokens than the old cache check read at either end (65,536 each), so the middle is what only a checksum covers.
 DOCS = 300
 

@@ -15,6 +15,8 @@ from helpers import PY, ROOT, TINY, check_weights, csv_rows, env_for_tests, kill
 sys.path.insert(0, str(ROOT))
 from checkpoint import layout  # noqa: E402
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test`, not `make test-fast`
+
 STEPS = 12
 FREQ = 4
 DCP = ["--checkpoint-backend", "dcp"]

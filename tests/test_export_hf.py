@@ -24,6 +24,8 @@ from checkpoint import layout  # noqa: E402
 from hf import saved_model  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test`, not `make test-fast`
+
 transformers = optional_module("transformers")
 
 # fp32 on both sides runs the same operations in the same order (measured max |difference|: 0.0). The one mistake

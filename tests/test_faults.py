@@ -26,6 +26,8 @@ from checkpoint import layout  # noqa: E402
 from checkpoint.errors import CheckpointError  # noqa: E402
 from checkpoint.fsio import CHECKSUM_ALGORITHM, checksum_bytes, checksum_file  # noqa: E402
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test`, not `make test-fast`
+
 STEPS, FREQ = 6, 2
 EXP = "run"
 

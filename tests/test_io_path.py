@@ -15,6 +15,8 @@ import pytest
 
 from helpers import PY, ROOT, TINY, check_weights, env_for_tests, in_ci, kill_run_at_row, loss_rows, run_train
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test`, not `make test-fast`
+
 STEPS = 16
 FREQ = 4
 #: The last commit whose checkpoints carry crc32 manifests and zip crcs (before the xxh3 / O_DIRECT byte path).

@@ -18,6 +18,8 @@ import pytest
 
 from helpers import PY, ROOT, TINY, env_for_tests, run_train
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test`, not `make test-fast`
+
 EXP = "default"
 
 

@@ -16,6 +16,8 @@ import pytest
 
 from helpers import PY, ROOT, TINY, check_weights, env_for_tests, loss_rows, run_train
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test`, not `make test-fast`
+
 STEPS = 8
 
 

@@ -390,6 +390,7 @@ def _worker_pids(torchrun_pid: int) -> dict[int, int]:
     return out
 
 
+@pytest.mark.slow
 def test_signal_to_one_rank_only_stops_both_at_the_same_step_then_resume_is_bit_exact(corpus, tmp_path):
     args = TINY + ["--dataset", corpus, "--training-steps", str(STEPS), "--checkpoint-frequency", "0",
                    "--log-loss-to-csv"]

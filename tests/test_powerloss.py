@@ -20,6 +20,8 @@ from checkpoint import fsio
 from tests.powerloss import campaign, model
 from tests.powerloss.recorder import Mount, _mounted, fuse_problem
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test`, not `make test-fast`
+
 OLD, NEW = b"old " * 3000, b"new " * 5000  # more than a page, so a torn write shows
 
 

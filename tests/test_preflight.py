@@ -31,6 +31,7 @@ def mib(line: str, label: str) -> float:
     return float(m.group(1).replace(",", ""))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, batch, seq, recompute", [("tiny", 4, 32, "none"), ("small", 2, 64, "none"),
                                                            ("tiny", 4, 32, "full"), ("tiny", 4, 32, "selective")])
 def test_memory_estimate_agrees_with_measured_peak(tmp_path, corpus, model, batch, seq, recompute):

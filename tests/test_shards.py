@@ -25,6 +25,8 @@ from helpers import (ROOT, TINY, check_weights, env_for_tests, kill_run_at_row, 
                      run_torchrun, run_train, torchrun_cmd)
 from test_data_integrity import dataset_cli, no_traceback, read_only  # noqa: F401 (read_only: a fixture)
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test`, not `make test-fast`
+
 SHARDS = 8
 DOCS_PER_SHARD = 20  # KJV chapters: ~24k tokens a shard, a fraction of a second to tokenize
 

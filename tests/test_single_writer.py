@@ -22,6 +22,8 @@ from helpers import PY, ROOT, TINY, check_weights, env_for_tests, in_ci, loss_ro
 sys.path.insert(0, str(ROOT))
 from checkpoint import layout  # noqa: E402
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test`, not `make test-fast`
+
 STEPS = 12
 
 

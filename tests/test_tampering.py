@@ -28,6 +28,8 @@ import xxhash
 
 from helpers import PY, ROOT, TINY, env_for_tests, run_train
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test`, not `make test-fast`
+
 EXP = "default"
 BACKENDS = ("vanilla", "concurrent", "dcp")
 STEPS = 20

@@ -23,6 +23,8 @@ import pytest
 from helpers import (PY, ROOT, TINY, check_weights, csv_rows, env_for_tests, in_ci, kill_run_at_row, loss_rows,
                      run_torchrun, run_train, torchrun_cmd)
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test`, not `make test-fast`
+
 STEPS, SHARED_EVERY, LOCAL_EVERY = 30, 20, 2
 TWO_NODES = {"PYRECOVER_TEST_RANKS_PER_NODE": "1"}
 

@@ -21,6 +21,8 @@ from helpers import PY, ROOT, TINY, kill_run_at_row, env_for_tests, loss_rows, r
 sys.path.insert(0, str(ROOT))
 import trackers  # noqa: E402
 
+pytestmark = pytest.mark.slow  # end-to-end runs: `make test`, not `make test-fast`
+
 STEPS, SAVE_EVERY, KILL_AT = 12, 4, 7
 
 

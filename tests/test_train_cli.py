@@ -7,6 +7,7 @@ import subprocess
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from helpers import PY, ROOT, TINY, env_for_tests, loss_rows, run_torchrun, run_train
 
@@ -73,6 +74,7 @@ def test_bad_inputs_one_line_exit_2(tmp_path, corpus):
     assert proc.returncode == 2 and "invalid choice: 'huge'" in proc.stderr
 
 
+@pytest.mark.slow
 def test_same_seed_same_losses_and_loss_falls(tmp_path, corpus):
     args = TINY + ["--dataset", corpus, "--training-steps", "40", "--checkpoint-frequency", "0", "--log-loss-to-csv",
                    "--learning-rate", "3e-3"]
@@ -109,6 +111,7 @@ def test_grad_clipping_really_clips(tmp_path, corpus):
     assert before > 0.5 and abs(float(after) - 0.5) < 1e-3
 
 
+@pytest.mark.slow
 def test_ddp_two_ranks_on_gloo_keeps_replicas_identical(tmp_path, corpus):
     proc = run_torchrun(2, TINY + ["--dataset", corpus, "--training-steps", "6", "--checkpoint-frequency", "3",
                                    "--checkpoint-dir", str(tmp_path)], check=True)

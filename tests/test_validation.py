@@ -47,6 +47,7 @@ def val_parquet(corpus, tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_val_dataset_rows_survive_a_kill_inside_an_evaluation(tmp_path, corpus, val_parquet):
     ck = tmp_path / "ck"
     args = TINY + ["--dataset", corpus, "--val-dataset", str(val_parquet), "--eval-every", "2", "--eval-tokens", "256",
