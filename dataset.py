@@ -118,16 +118,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 _PARSED: argparse.Namespace | None = None  # the command line as parsed below, run as a program (main takes it)
 if __name__ == "__main__":
-    def _parse_first() -> argparse.Namespace:
-        from tokenizer import DataError
+    from badinput import parse_first
+    from tokenizer import DataError
 
-        try:
-            return parse_args()
-        except DataError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
-
-    _PARSED = _parse_first()
+    _PARSED = parse_first(parse_args, (DataError,))
 
 import numpy as np  # noqa: E402 - after the command line (above)
 import torch  # noqa: E402

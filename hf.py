@@ -85,14 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 _PARSED: argparse.Namespace | None = None  # the command line as parsed below, run as a program (main takes it)
 if __name__ == "__main__":
-    def _parse_first() -> argparse.Namespace:
-        try:
-            return parse_args()
-        except (CheckpointError, OSError) as e:  # bad input is one line, never a traceback
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+    from badinput import parse_first
 
-    _PARSED = _parse_first()
+    _PARSED = parse_first(parse_args, (CheckpointError, OSError))
 
 import torch  # noqa: E402 - after the command line (above)
 

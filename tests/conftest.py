@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from collections import OrderedDict
+from pathlib import Path
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,19 @@ def train_spelling():
     train.py reads."""
     import flags
     flags.spell_settings()
+
+
+@pytest.fixture
+def node_tmp():
+    """A folder like a node's /tmp or /dev/shm: sticky and writable by everyone, inside a root folder that `nobody` can
+    reach (pytest's own temporary folders are 0700)."""
+    base = Path(tempfile.mkdtemp(prefix="pyrecover-node-", dir="/tmp"))
+    base.chmod(0o755)
+    shared = base / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    yield shared
+    shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,6 @@ import re
 import shutil
 import stat
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -162,19 +161,6 @@ def test_a_peer_copy_that_fails_its_checksum_gives_way_to_an_older_step_every_ra
 
 
 # --- 3. a tier folder removed while the run goes on ----------------------------------------------------------------
-
-
-@pytest.fixture
-def node_tmp():
-    """A folder like a node's /tmp or /dev/shm: sticky and writable by everyone, inside a root folder that `nobody` can
-    reach (pytest's own temporary folders are 0700)."""
-    base = Path(tempfile.mkdtemp(prefix="pyrecover-audit-iv-", dir="/tmp"))
-    base.chmod(0o755)
-    shared = base / "shared"
-    shared.mkdir()
-    shared.chmod(0o1777)
-    yield shared
-    shutil.rmtree(base, ignore_errors=True)
 
 
 def _as_nobody(*argv: str) -> subprocess.CompletedProcess:

@@ -16,7 +16,6 @@ import signal
 import socket
 import stat
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,19 +38,6 @@ def _need(ok: bool, why: str) -> None:
 def _need_nobody() -> None:
     _need(os.geteuid() == 0 and shutil.which("setpriv") is not None,
           "playing another user needs root and setpriv (util-linux)")
-
-
-@pytest.fixture
-def node_tmp():
-    """A folder like a node's /tmp or /dev/shm: sticky and writable by everyone, inside a root folder that `nobody` can
-    reach (pytest's own temporary folders are 0700)."""
-    base = Path(tempfile.mkdtemp(prefix="pyrecover-audit-", dir="/tmp"))
-    base.chmod(0o755)
-    shared = base / "shared"
-    shared.mkdir()
-    shared.chmod(0o1777)
-    yield shared
-    shutil.rmtree(base, ignore_errors=True)
 
 
 def _as_nobody(*argv: str, **kw) -> subprocess.CompletedProcess:
