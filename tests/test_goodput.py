@@ -35,7 +35,10 @@ def test_goodput_harness_smoke(corpus, tmp_path):
     assert tiered["status"] == "ok" and [r["round"] for r in tiered["rounds"]] == [1], tiered["status"]
     run = tiered["run"]
     row = next(line for line in (tmp_path / "goodput.md").read_text().splitlines() if line.startswith("| tiered-warm |"))
-    assert row.split("|")[3].strip() == f"**{run['goodput']:.3f}**" and 0 < run["goodput"] <= 1, row
+    # The figure is t0 x steps / wall, t0 from failure-free runs beside the kill run: on a loaded test machine (other
+    # workers' ranks) the two can see different loads, so only its arithmetic is checked here, not a range
+    assert run["goodput"] == 20 * report["t0_s"] / run["wall_s"] and run["goodput"] > 0, (run, report["t0_s"])
+    assert row.split("|")[3].strip() == f"**{run['goodput']:.3f}**", row
     assert run["kills"] == 1, run
     first, restart = tiered["incarnations"]
     assert first["killed"] and first["reached"] >= 12, first
