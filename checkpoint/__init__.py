@@ -20,7 +20,7 @@ _LAZY = {
     "CheckpointError": "errors", "Fenced": "lease", "CheckpointManager": "manager",
     **dict.fromkeys(("FINISHED", "REQUEUE_FAILED", "REQUEUED", "STOPPED", "SignalWatcher", "When",
                      "install_signal_handlers"), "policy"),
-    **dict.fromkeys(("FENCED", "FINAL_SAVE_FAILED", "Session", "Settings"), "session"),
+    **dict.fromkeys(("FENCED", "FINAL_SAVE_FAILED", "Session"), "session"), "Settings": "settings",
     **dict.fromkeys(("CheckpointState", "ModelState", "OptimizerState", "RNGState", "RunInfo", "Stateful",
                      "TrainState", "unwrap_model"), "state"),
 }

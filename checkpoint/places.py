@@ -27,7 +27,7 @@ from .errors import CheckpointError
 from .naming import setting
 
 if TYPE_CHECKING:
-    from .session import Settings
+    from .settings import Settings
 
 LOCAL, PEER, SHARED, MIRROR = "local", "peer", "shared", "mirror"
 T = TypeVar("T")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import sys
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -37,9 +37,10 @@ from .naming import setting
 from .nodelocal import NodeLocal
 from .peer import Link, PeerCopy, buddies
 from .places import Places
-from .policy import FINISHED, INTERVAL, NONE, SignalWatcher, When, step_boundary
+from .policy import FINISHED, INTERVAL, NONE, SignalWatcher, step_boundary
 from .reader import section_reader
 from .retention import Retention
+from .settings import Settings
 from .state import CheckpointState, RunInfo
 from .tier import LocalTier
 
@@ -47,37 +48,6 @@ _log = logging.getLogger(__name__)
 
 #: what ``close`` reports when the run must not count as a success
 FENCED, FINAL_SAVE_FAILED = "fenced", "final-save-failed"
-
-
-@dataclass(frozen=True)
-class Settings:
-    """How and where a run checkpoints (train.py builds it from its flags)."""
-
-    checkpoint_dir: str  # a local folder or s3://bucket/prefix
-    experiment: str = "default"  # the run folder under checkpoint_dir
-    backend: str = "vanilla"
-    backend_options: dict = field(default_factory=dict)
-    sharded: bool = False  # the model is sharded over ranks (FSDP)
-    async_save: bool | str = False
-    jit: bool = False  # a surviving rank saves the last completed step when a peer fails
-    keep: int = 0  # newest committed checkpoints kept (0: all)
-    keep_every: int = 0  # milestones kept besides
-    keep_best: int = 0  # lowest held-out losses kept besides
-    keep_files: tuple[str, ...] = ()  # run-folder files retired with an abandoned line (its loss rows, its flags)
-    mirror_dir: str | None = None  # a second location every committed checkpoint is copied to (rank 0)
-    mirror_every: int = 1
-    mirror_keep: int | None = None  # None: as keep
-    mirror_timeout_s: float = 600.0  # how long the end waits for the final copy
-    force_takeover: bool = False  # fence a live holder of the run directory
-    on_save_error: str = "stop"  # "continue": warn, train on, retry at the next save
-    when: When = field(default_factory=When)
-    # the node-local tier (tier.py): every save lands in local_dir first; every when.every_steps-th step (and every
-    # stop or final save) is drained from there to checkpoint_dir, the shared tier
-    local_dir: str | None = None
-    local_every: int = 0  # a local save every N steps (when.every_steps must be a multiple)
-    local_keep: int = 2  # newest local steps kept per rank
-    peer: bool = False  # every local step also kept on the next node (peer.py)
-    peer_timeout_s: float = 600.0  # how long a peer transfer may wait for its other end
 
 
 def _say(line: str) -> None:

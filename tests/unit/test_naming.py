@@ -15,7 +15,7 @@ from checkpoint import naming
 from checkpoint.errors import CheckpointError
 from checkpoint.places import Places
 from checkpoint.policy import When
-from checkpoint.session import Settings
+from checkpoint.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 #: names the package's messages use besides Settings/When fields: train.py's own choices they point the user to

@@ -10,7 +10,7 @@ import pytest
 from checkpoint.errors import CheckpointError
 from checkpoint.places import LOCAL, MIRROR, PEER, SHARED, Places, tier_root
 from checkpoint.policy import When
-from checkpoint.session import Settings
+from checkpoint.settings import Settings
 
 
 def test_the_places_of_a_run_nearest_first(tmp_path):
