@@ -45,6 +45,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import io
+import filecmp
 import json
 import mmap
 import os
@@ -724,19 +725,6 @@ def data_files(spec: str | os.PathLike) -> list[Path]:
     return list_shards(spec)[1] if is_sharded(spec) else [Path(spec)]
 
 
-def _same_bytes(a: Path, b: Path) -> bool:
-    if a.stat().st_size != b.stat().st_size:
-        return False
-    digests = []
-    for path in (a, b):
-        h = xxhash.xxh3_128()
-        with open(path, "rb") as f:
-            while block := f.read(1 << 20):
-                h.update(block)
-        digests.append(h.digest())
-    return digests[0] == digests[1]
-
-
 def check_val_apart(train_spec: str, val_spec: str) -> None:
     """Refuse (DataError) a --val-dataset file that is a --dataset file: the same file by any path (a link, another
     spelling, a folder or glob that takes it in), or a byte-identical copy. Its val loss, cards, val.csv and
@@ -748,7 +736,7 @@ def check_val_apart(train_spec: str, val_spec: str) -> None:
                 if not v.is_file() or not t.is_file():
                     continue
                 same = os.path.samefile(v, t)
-                if same or _same_bytes(v, t):
+                if same or filecmp.cmp(v, t, shallow=False):  # sizes first, then blocks to the first difference
                     what = "is" if same else "is a byte-identical copy of"
                     raise DataError(f"--val-dataset {val_spec}: {v} {what} the training file {t} (--dataset "
                                     f"{train_spec}), so every val loss would be measured on data the model trains on; "
