@@ -660,7 +660,7 @@ def wipe_node(local: Path, node: int, nodes: int) -> dict:
     """Node ``node`` of ``nodes`` lost with its local storage (one rank per node): in each run folder of the local tier
     ``local``, its rank's folder and the peer copies it holds for the node before it (whose buddy it is). Returns
     the node and the steps that went with it."""
-    from checkpoint.tier import rank_dir_name
+    from checkpoint.places import rank_dir_name
 
     gone: dict = {"node": node, "own": [], "peer": []}
     for run in sorted(p for p in local.glob("*") if p.is_dir()):

@@ -22,7 +22,7 @@ from .backends.base import BackgroundTask
 from .errors import CheckpointError
 from .fsio import MiB, is_disk_full
 from .lease import Fenced, Lease
-from .mirror import Mirror
+from .places.mirror import Mirror
 from .naming import setting
 from .retention import Retention
 from .state import CheckpointState

@@ -32,17 +32,17 @@ from .backends.torchfile import rank_file
 from .errors import CheckpointError
 from .jit import JustInTime, NoJIT
 from .manager import CheckpointManager, RunFolder, SaveRecord
-from .mirror import Mirror
+from .places.mirror import Mirror
 from .naming import setting
-from .nodelocal import NodeLocal
-from .peer import Link, PeerCopy, buddies
+from .places.nodelocal import NodeLocal
+from .places.peer import Link, PeerCopy, buddies
 from .places import Places
 from .policy import FINISHED, INTERVAL, NONE, SignalWatcher, step_boundary
 from .reader import section_reader
 from .retention import Retention
 from .settings import Settings
 from .state import CheckpointState, RunInfo
-from .tier import LocalTier
+from .places.tier import LocalTier
 
 _log = logging.getLogger(__name__)
 

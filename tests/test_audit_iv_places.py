@@ -48,7 +48,7 @@ def _args(corpus: str, ckpt: Path, local: Path, *, steps: int, every: int = LOCA
 
 
 def _tier(local: Path, ckpt: Path) -> Path:
-    from checkpoint.tier import tier_root
+    from checkpoint.places import tier_root
 
     return tier_root(local, "run", str(ckpt / "run"))
 

@@ -301,7 +301,7 @@ def test_the_local_tier_is_its_users_alone(corpus, node_tmp, tmp_path):
     """In a shared node folder, the tier's folders are created 0700: `nobody` can neither list nor read a step. A tier
     folder another user made first, or a parent others can write without the sticky bit, is refused in one line."""
     _need_nobody()
-    from checkpoint.tier import tier_root
+    from checkpoint.places import tier_root
 
     local, ckpt = node_tmp / "tier", tmp_path / "ck"
     # killed at step 4: the local steps stay for the look below (a clean end would clear them)

@@ -30,7 +30,7 @@ def test_list_shows_the_shared_folder_the_mirror_the_local_tier_and_peer_copies_
     copy of step 3 corrupted, local steps 3 and 4 copied into peer/ (as a buddy node's copies), step 4's own part
     removed and step 3's peer copy corrupted. Listed from elsewhere by the run folder alone, each step has one row
     naming the places whose copy verifies, and what is wrong with the others."""
-    from checkpoint.tier import tier_root
+    from checkpoint.places import tier_root
 
     args = TINY + ["--dataset", corpus, "--checkpoint-dir", "ckpt", "--experiment_name", "run",
                    "--training-steps", "12", "--checkpoint-frequency", "3",

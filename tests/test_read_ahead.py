@@ -22,7 +22,7 @@ from checkpoint import CheckpointState, Session, Settings, When  # noqa: E402
 from checkpoint.backends.base import RankInfo  # noqa: E402
 from checkpoint.errors import CheckpointError  # noqa: E402
 from checkpoint.storage import ReadAhead  # noqa: E402
-from checkpoint.tier import tier_root  # noqa: E402
+from checkpoint.places import tier_root  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60, method="thread")  # a read-ahead that waits on a file fails, not hangs
 

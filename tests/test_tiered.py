@@ -40,7 +40,7 @@ def _args(corpus: str, ckpt: Path, local: Path | None) -> list[str]:
 
 def _tier(local: Path, ckpt: Path) -> Path:
     """The run's folder in the local tier ``local`` (tier.py: its experiment name and a key of its shared folder)."""
-    from checkpoint.tier import tier_root
+    from checkpoint.places import tier_root
 
     return tier_root(local, "run", str(ckpt / "run"))
 
@@ -300,7 +300,8 @@ def test_a_retired_local_step_gives_its_files_to_the_next_save(tmp_path):
     from checkpoint.backends import RankInfo
     from checkpoint.errors import CheckpointError
     from checkpoint.fsio import atomic_write, checksum_file
-    from checkpoint.tier import LocalTier, tier_root
+    from checkpoint.places import tier_root
+    from checkpoint.places.tier import LocalTier
 
     origin = str(tmp_path / "shared" / "run")
     tier = LocalTier(tier_root(tmp_path, "run", origin), RankInfo(0, 1), leader=0, identity={"origin": origin},
@@ -363,7 +364,8 @@ def test_a_failed_drain_gives_up_on_the_shared_step_at_once_and_keeps_the_local_
     from checkpoint.backends import RankInfo
     from checkpoint.errors import CheckpointError
     from checkpoint.fsio import atomic_write_bytes
-    from checkpoint.tier import Drainer, LocalTier, tier_root
+    from checkpoint.places import tier_root
+    from checkpoint.places.tier import Drainer, LocalTier
 
     tier = LocalTier(tier_root(tmp_path / "local", "run", str(tmp_path / "shared")), RankInfo(0, 1), leader=0,
                      identity={"origin": str(tmp_path / "shared")})
@@ -527,7 +529,8 @@ def test_a_local_part_of_a_line_the_run_left_is_never_a_candidate(tmp_path):
     resume belongs to the line the run left (tier.abandoned). The new line's part of the same step is chosen."""
     from checkpoint import layout, storage
     from checkpoint.backends.base import RankInfo
-    from checkpoint.tier import FORKS, LocalTier, read_forks, record_resume, tier_root
+    from checkpoint.places import tier_root
+    from checkpoint.places.tier import FORKS, LocalTier, read_forks, record_resume
 
     run = tmp_path / "ckpt" / "run"
     run.mkdir(parents=True)

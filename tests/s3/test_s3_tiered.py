@@ -36,7 +36,7 @@ def test_a_drain_to_s3_killed_midway_commits_nothing_partial_and_resumes_bitwise
     keys = s3_server.list_keys("tiered/default/")
     assert not [k for k in keys if k.endswith("/COMMITTED")], keys  # nothing was committed in the shared tier
     assert [k for k in keys if k.startswith("tiered/default/step-00000004/")], keys  # the drain had begun
-    from checkpoint.tier import tier_root
+    from checkpoint.places import tier_root
 
     local = tier_root(tmp_path / "local", "default", f"{uri}/default") / "rank-00000"
     newest = max(int(p.name[5:]) for p in local.glob("step-*") if (p / "COMMITTED").exists())

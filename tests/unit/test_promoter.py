@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from checkpoint.promoter import NEWEST, ORDERED, Promoter
+from checkpoint.places.promoter import NEWEST, ORDERED, Promoter
 
 
 def test_ordered_copies_every_step_in_order():

@@ -42,17 +42,17 @@ from typing import Callable
 
 import torch
 
-from . import knobs, layout, naming, nodetrust, route, storage
-from .backends import RankInfo
-from .backends.torchfile import load_pieces, rank_file
-from .errors import CheckpointError
-from .fsio import MiB, is_disk_full, make_dirs
-from .logs import EVERY_RANK
-from .places import rank_dir_name, tier_root  # noqa: F401 - tier_root: the tier's folder, for callers
+from .. import knobs, layout, naming, nodetrust, route, storage
+from ..backends import RankInfo
+from ..backends.torchfile import load_pieces, rank_file
+from ..errors import CheckpointError
+from ..fsio import MiB, is_disk_full, make_dirs
+from ..logs import EVERY_RANK
+from ..reader import flatten
+from ..retention import apply_retention
+from ..state import CheckpointState, OptimizerState
+from . import rank_dir_name
 from .promoter import ORDERED, Promoter
-from .reader import flatten
-from .retention import apply_retention
-from .state import CheckpointState, OptimizerState
 
 _log = logging.getLogger(__name__)
 

@@ -34,14 +34,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterator
 
-from . import layout, route, storage
-from .backends import RankInfo
-from .errors import CheckpointError
-from .fsio import MiB, fsync_dir, make_dirs, new_hasher
-from .logs import EVERY_RANK
-from .places import PEER_DIR, rank_dir_name
+from .. import layout, route, storage
+from ..backends import RankInfo
+from ..errors import CheckpointError
+from ..fsio import MiB, fsync_dir, make_dirs, new_hasher
+from ..logs import EVERY_RANK
+from ..retention import apply_retention
+from . import PEER_DIR, rank_dir_name
 from .promoter import ORDERED, Promoter
-from .retention import apply_retention
 from .tier import LocalTier, abandoned
 
 _log = logging.getLogger(__name__)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import logging
 import time
 
-from . import layout, storage
-from .errors import CheckpointError
-from .fsio import MiB
-from .lease import Fenced
-from .manager import CheckpointManager, SaveRecord
+from .. import layout, storage
+from ..errors import CheckpointError
+from ..fsio import MiB
+from ..lease import Fenced
+from ..manager import CheckpointManager, SaveRecord
+from ..state import CheckpointState
 from .peer import PeerCopy
-from .state import CheckpointState
 from .tier import FORKS, Drainer, LocalTier, everywhere, part_bytes, read_forks, record_resume
 
 _log = logging.getLogger(__name__)

@@ -26,14 +26,14 @@ import threading
 import time
 from typing import Callable
 
-from . import layout, route, storage
-from .errors import CheckpointError
-from .fsio import MiB
-from .knobs import mirror_delay_s
-from .lease import Fenced
-from .naming import setting
+from .. import layout, route, storage
+from ..errors import CheckpointError
+from ..fsio import MiB
+from ..knobs import mirror_delay_s
+from ..lease import Fenced
+from ..naming import setting
+from ..retention import Retention
 from .promoter import NEWEST, Promoter
-from .retention import Retention
 
 _log = logging.getLogger(__name__)
 

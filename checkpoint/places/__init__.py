@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
-from . import storage
-from .errors import CheckpointError
-from .naming import setting
+from .. import storage
+from ..errors import CheckpointError
+from ..naming import setting
 
 if TYPE_CHECKING:
-    from .settings import Settings
+    from ..settings import Settings
 
 LOCAL, PEER, SHARED, MIRROR = "local", "peer", "shared", "mirror"
 T = TypeVar("T")
