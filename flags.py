@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--max-restarts", type=int, default=100, help="do not requeue once SLURM_RESTART_COUNT reaches this")
 
     g = p.add_argument_group("node-local tier: fast saves on every node, drained to --checkpoint-dir -- see "
-                             "checkpoint/tier.py")
+                             "checkpoint/places/tier.py")
     flag("--local-checkpoint-dir", default=None, metavar="DIR",
          help="a folder on each node (/dev/shm/..., a local NVMe): every save lands there first, each rank its own "
               "part; every --checkpoint-frequency-th step (and the final or stop save) is then drained in the "
@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
          help="with --local-checkpoint-dir: also keep every local step of a node on the next node (its buddy), sent "
               "in the background, so losing a node loses nothing newer than --local-checkpoint-frequency")
 
-    g = p.add_argument_group("mirror: a second location for checkpoints -- see checkpoint/mirror.py")
+    g = p.add_argument_group("mirror: a second location for checkpoints -- see checkpoint/places/mirror.py")
     flag("--mirror-dir", default=None, metavar="DIR|s3://BUCKET/PREFIX",
          help="also copy committed checkpoints to <mirror-dir>/<experiment_name>/ in the background (committed and "
               "verified there); a failing mirror warns and never stops training; `latest` looks in both locations")
