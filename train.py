@@ -46,9 +46,9 @@ if __name__ == "__main__":
         _stream.reconfigure(line_buffering=True, write_through=False)
 
     if os.environ.get("PYRECOVER_WARM"):  # a warm standby on this node runs the rest, imports paid (warm.py)
-        import warm
+        from standby_client import hand_over
 
-        _code = warm.hand_over(os.environ["PYRECOVER_WARM"])
+        _code = hand_over(os.environ["PYRECOVER_WARM"])
         if _code is not None:  # None: no standby listening, a cold start
             os._exit(_code)
 

@@ -209,11 +209,11 @@ def test_one_client_cannot_stop_or_stall_the_standby_and_its_child_is_the_rank(c
     assert re.search(r"^Max open files\s+777\s", limits, re.M), limits
     assert int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[16]) == 3  # nice
 
-    import warm
+    from standby_protocol import describe_rank
 
-    rank_request = json.dumps(warm.describe_rank()).encode()
+    rank_request = json.dumps(describe_rank()).encode()
     for payload, fds, why in [(b"[]", 0, "its request is not a JSON object"),
-                              (json.dumps(warm.describe_rank() | {"cwd": 5}).encode(), 0,
+                              (json.dumps(describe_rank() | {"cwd": 5}).encode(), 0,
                                "its request's cwd has the wrong type or range"),
                               (json.dumps({"argv": ["train.py"]}).encode(), 0, "its request has other fields"),
                               (b"[" * 100000, 0, "its request is not JSON"),
