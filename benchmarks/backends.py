@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import warnings
 import gc
 import inspect
@@ -39,7 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +48,7 @@ from checkpoint.backends import BACKENDS, RankInfo, backend_class, make_backend
 from checkpoint.backends.concurrent import ConcurrentBackend
 from checkpoint.backends.torchzip import plan_pieces
 from checkpoint.backends.torchfile import payload_pieces
+from .records import Row, TrainRun, from_dict
 from .report import fmt, plot, report
 from .writer_gil import writer_dip
 from checkpoint.manager import CheckpointManager
@@ -169,27 +169,6 @@ def disk_write_fsync(directory: Path, nbytes: int, dd: bool = True) -> dict:
 # --- per-backend save / load --------------------------------------------------------------------------------------
 
 
-@dataclass
-class Row:
-    state: str
-    backend: str
-    stall_s: float = float("nan")  # save() + wait_staged() right away (no forward/backward to overlap with)
-    call_s: float = float("nan")  # save() alone = the stall when the copy fully overlaps forward/backward
-    durable_s: float = float("nan")
-    mib: float = 0.0
-    load_s: float = float("nan")
-    host_mib: float = 0.0
-    burst_stall_s: float = float("nan")
-    burst_total_s: float = float("nan")
-    burst_saves: int = 0
-    disk_mib_s: float = float("nan")  # write+fsync of the same number of bytes, measured right before this row
-    note: str = ""
-
-    @property
-    def mib_s(self) -> float:
-        return self.mib / self.durable_s if self.durable_s > 0 else float("nan")
-
-
 def backend_factories(first: bool, with_dcp: bool = True) -> list[tuple[str, object, int]]:
     """(label, factory(rank) -> Backend, host buffer sets to pre-allocate). N only matters when saves overlap, so the
     N sweep (and the no-pipelining variant) runs on the first, smallest state only."""
@@ -294,28 +273,6 @@ def measure_backend(label: str, factory, sets: int, state: CheckpointState, root
 
 _SAVE_LINE = re.compile(r"checkpoint step (\d+) committed: ([\d.]+) MiB, blocked ([\d.]+)s, durable after ([\d.]+)s")
 _BLOCKED = re.compile(r"training blocked ([\d.]+)s")
-
-
-@dataclass
-class TrainRun:
-    backend: str
-    every: int
-    steps: int
-    saves: int = 0
-    blocked_s: float = 0.0
-    loop_s: float = float("nan")
-    tok_s_out: float = float("nan")
-    tok_s_during: float = float("nan")
-    n_during: int = 0
-    persist_s: float = float("nan")
-    overhead_wall_pct: float = float("nan")
-    overhead_est_pct: float = float("nan")
-    note: str = ""
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def dip_pct(self) -> float:
-        return 100 * (1 - self.tok_s_during / self.tok_s_out) if self.n_during else float("nan")
 
 
 def train_run(backend: str, every: int, steps: int, dataset: Path, root: Path, tokens: int, train_args: list[str],
@@ -553,12 +510,8 @@ def _run_all(args, meta: dict, directory: Path, dataset: Path, left) -> tuple[li
 def replot(path: Path, out: Path) -> int:
     data = json.loads(path.read_text())
 
-    def build(cls, d: dict):
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
-    rows = [build(Row, d) for d in data["rows"]]
-    runs = [build(TrainRun, d) for d in data["train"]]
+    rows = [from_dict(Row, d) for d in data["rows"]]
+    runs = [from_dict(TrainRun, d) for d in data["train"]]
     text = report(data["meta"], data["limits"], rows, runs, data["writer_dip"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "checkpoint_bench.md").write_text(text)

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .backends import Row, TrainRun
+from .records import Row, TrainRun
 
 MiB = 1 << 20
 
