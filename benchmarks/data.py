@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import dataset  # noqa: E402
+import readers  # noqa: E402
 from tokenizer import num_threads, set_num_threads  # noqa: E402
 
 REPLICAS = 10
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = args.batches or (50 if args.quick else 500)
     corpus = Path(args.dataset)
     if not corpus.exists():
-        dataset.build_default_dataset(corpus)
+        readers.build_default_dataset(corpus)
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         work = Path(tmp)
         shards = 4 if args.quick else 8

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import dataset  # noqa: E402
+import readers  # noqa: E402
 import tokenizer  # noqa: E402
 from dataset import DataError, TokenWindows, TrainLoader, load_token_windows, load_tokenizer  # noqa: E402
 
@@ -494,8 +495,8 @@ def test_load_state_dict_rejects_other_dataset_and_bad_state():
 def test_strip_gutenberg_boilerplate():
     text = ("The Project Gutenberg EBook of Hamlet\r\nLicence blah\r\n*** START OF THE PROJECT GUTENBERG EBOOK "
             "HAMLET ***\r\nHAMLET\r\nTo be.\r\n*** END OF THE PROJECT GUTENBERG EBOOK HAMLET ***\r\nmore licence\r\n")
-    assert dataset.strip_gutenberg(text) == "HAMLET\nTo be.\n"
-    assert dataset.strip_gutenberg("plain text\n") == "plain text\n"
+    assert readers.strip_gutenberg(text) == "HAMLET\nTo be.\n"
+    assert readers.strip_gutenberg("plain text\n") == "plain text\n"
 
 
 def corpus_packages_present() -> bool:
@@ -527,7 +528,7 @@ def test_build_default_corpus_cli_and_fast_second_start(tmp_path):
 
     # deterministic: rebuilding in-process gives identical bytes
     again = tmp_path / "again.parquet"
-    dataset.build_default_dataset(again)
+    readers.build_default_dataset(again)
     assert again.read_bytes() == out.read_bytes()
 
     # first start tokenizes with the default tokenizer; the second start only memory-maps the cache (no encode call;

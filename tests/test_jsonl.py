@@ -22,6 +22,7 @@ from helpers import ROOT, TINY, check_weights, kill_run_at_row, loss_rows, run_t
 
 sys.path.insert(0, str(ROOT))
 import dataset  # noqa: E402
+import readers  # noqa: E402
 
 DOCS_PER_SHARD = 20  # KJV chapters: ~24k tokens a shard
 
@@ -97,6 +98,6 @@ def test_bad_lines_and_missing_columns_are_one_line(tmp_path, jsonl_shards):
     (mixed / "a.jsonl").write_text(good)
     pq.write_table(pa.table({"content": ["x"]}), mixed / "b.parquet")
     with pytest.raises(dataset.DataError, match="mixes JSON Lines and parquet shards"):
-        dataset.list_shards(mixed)
-    _, paths = dataset.list_shards(f"{jsonl_shards}/part-*")
+        readers.list_shards(mixed)
+    _, paths = readers.list_shards(f"{jsonl_shards}/part-*")
     assert [p.name for p in paths] == ["part-000.jsonl", "part-001.jsonl.gz", "part-002.jsonl.gz"]
