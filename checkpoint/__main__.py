@@ -22,7 +22,6 @@ import argparse
 import importlib.util
 import json
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from . import layout, logs, storage
 from .errors import CheckpointError
 from .fsio import MiB
 from .backend_table import FORMATS  # convert's; convert itself (torch) loads when it runs
-from .places import PEER_DIR, tier_root  # <tier>/peer/rank-N/step-M: the copies this node holds of rank N's parts
+from .places import PEER_DIR, rank_dirs, rank_of, tier_root  # <tier>/rank-N, <tier>/peer/rank-N: parts by rank
 from .retention import best_steps, eval_loss
 
 
@@ -101,9 +100,9 @@ def cmd_list(path, local: Path | None = None, mirror=None) -> int:
                 steps.setdefault(info.step, _Step()).full[place.name] = info
             continue
         for kind, folder in (("local", place.root), ("peer", place.root / PEER_DIR)):
-            for rank_dir in _rank_dirs(folder):
+            for rank_dir in rank_dirs(folder):
                 for info in layout.list_checkpoints(rank_dir):
-                    getattr(steps.setdefault(info.step, _Step()), kind)[int(rank_dir.name[5:])] = info
+                    getattr(steps.setdefault(info.step, _Step()), kind)[rank_of(rank_dir)] = info
     if not steps:
         if places[0].tier:
             raise CheckpointError(f"no local tier of this run at {places[0].root} (expected the run's "
@@ -241,17 +240,11 @@ def _recorded_path(value, base: Path):
     return storage.as_path(value) if "://" in value or os.path.isabs(value) else base / value
 
 
-def _rank_dirs(path) -> list[Path]:
-    """The rank folders of a node-local tier folder (tier.py), or of its peer/ folder, if ``path`` is one."""
-    return sorted(p for p in path.iterdir() if p.is_dir() and re.fullmatch(r"rank-\d{5,}", p.name)) \
-        if isinstance(path, Path) and path.is_dir() else []
-
-
 def _is_tier(path) -> bool:
     """Whether ``path`` is a run's folder in a node-local tier: its ranks' folders, or only peer copies."""
     if not isinstance(path, Path) or path.name == PEER_DIR:  # peer/ holds rank folders too, of other nodes' ranks
         return False
-    return bool(_rank_dirs(path) or _rank_dirs(path / PEER_DIR))
+    return bool(rank_dirs(path) or rank_dirs(path / PEER_DIR))
 
 
 def cmd_verify(path: Path) -> int:

@@ -12,9 +12,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable
 
 from . import layout, route, storage
 from .backends import JIT_FORMAT, Backend, RankInfo, backend_class, loader_for
@@ -22,22 +21,13 @@ from .backends.base import BackgroundTask
 from .errors import CheckpointError
 from .fsio import MiB, is_disk_full
 from .lease import Fenced, Lease
-from .places.mirror import Mirror
 from .naming import setting
+from .places.first import FirstPlace, RunFolder, SaveRecord
+from .places.mirror import Mirror
 from .retention import Retention
 from .state import CheckpointState
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass
-class SaveRecord:
-    step: int
-    blocking_s: float
-    durable_s: float = 0.0
-    mirror_s: float = 0.0  # until this checkpoint was also in the mirror (mirror.py; 0: not mirrored)
-    shared_s: float = 0.0  # with a local tier: until it was committed in the shared tier too (0: local only)
-    bytes: int = 0
 
 
 class SaveHandle:
@@ -81,10 +71,11 @@ class CheckpointManager:
         self.retention = retention
         self.commit_timeout_s = commit_timeout_s
         self.lease = lease  # one writer per run directory: None on object storage (no exclusive create there)
-        # Where every save lands first: the run folder itself, or the node-local places (nodelocal.py), which carry
-        # it on to the run folder. ``copies``: where committed steps of the run folder are copied (rank 0: the mirror).
+        # Where every save lands first: the run folder itself, or the node-local places (places/nodelocal.py), which
+        # carry it on to the run folder; it asks the run folder's side of a save and a load of the committer alone
+        # (places/first.py). ``copies``: where committed steps of the run folder are copied (rank 0: the mirror).
         self.first = first if first is not None else RunFolder()
-        self.first.attach(self)
+        self.first.attach(_Committer(self))
         self.copies = list(copies)
         for copy in self.copies:
             copy.guard = self._guard
@@ -120,11 +111,11 @@ class CheckpointManager:
         return handle
 
     def _land(self, step: int, step_dir: Path, files: dict[str, dict], *, meta: dict | None, record: SaveRecord,
-              t0: float, landed: Callable[[SaveRecord, float], None]) -> None:
+              t0: float, landed: Callable[[SaveRecord, float], None] | None = None) -> None:
         """This rank's files of ``step`` are durable in ``step_dir`` (the run folder's staging): its part record; rank 0
         then waits for every rank's, commits, publishes, hands the checkpoint to the copies (the mirror) and applies
-        retention. ``landed(record, t0)`` once committed. Runs in the thread that wrote them (the save's, or the local
-        tier's drainer)."""
+        retention. ``landed(record, t0)`` once committed (None: ``_durable``, a save that landed here first). Runs in
+        the thread that wrote them (the save's, or the local tier's drainer)."""
         try:
             layout.write_part_record(step_dir, self.rank.rank, files, run_id=self.run_id)
             if self.rank.is_main:
@@ -137,7 +128,7 @@ class CheckpointManager:
         except (OSError, CheckpointError) as e:
             self._fail(self._save_failed(step, step_dir, e))
             return
-        landed(record, t0)
+        (landed or self._durable)(record, t0)
         if self.rank.is_main:
             # list(): a C-level copy, atomic under the GIL; iterating the deque itself from this background thread
             # races with the training thread appending/reaping ("deque mutated during iteration").
@@ -314,6 +305,10 @@ class CheckpointManager:
         self._reap(block_until_below=1)
         self.first.wait()
 
+    def _durable(self, r: SaveRecord, t0: float) -> None:
+        r.durable_s = time.perf_counter() - t0
+        self._log_save(r)
+
     def _log_save(self, r: SaveRecord) -> None:
         rate = r.bytes / MiB / r.durable_s if r.durable_s > 0 else 0.0
         where = "committed" if self.rank.is_main else "written"
@@ -445,87 +440,85 @@ class CheckpointManager:
                 self._writing.close(self.root, self._staging.name)
 
 
-class FirstPlace(Protocol):
-    """Where a save lands first, and what the manager asks of it (the run folder: RunFolder; the node-local places:
-    nodelocal.NodeLocal)."""
+class _Committer:
+    """The manager's side of a first place's save and load (places/first.py, Committer): the run folder's commit,
+    its guard, and the whole-step places' `latest`."""
 
-    def attach(self, manager: CheckpointManager) -> None: ...
-    def save(self, step: int, state: CheckpointState, meta: dict | None, *, t0: float, shared: bool, peer: bool
-             ) -> tuple: ...
-    def latest(self, state: CheckpointState, t0: float) -> int | None: ...
-    def protected(self) -> set[int]: ...
-    def recover(self, own_staging: str, *, fresh: bool) -> None: ...
-    def check_space(self, state: CheckpointState) -> None: ...
-    def follow(self, step: int) -> None: ...
-    def poll(self) -> None: ...
-    def wait(self) -> None: ...
-    def close(self) -> None: ...
-    def finished(self) -> None: ...
-    def summary(self) -> str: ...
+    def __init__(self, manager: CheckpointManager):
+        self._m = manager
+        self.rank, self.run_id, self.backend, self.root = manager.rank, manager.run_id, manager.backend, manager.root
 
+    @property
+    def generation(self) -> int | None:
+        return self._m.lease.generation if self._m.lease is not None else None
 
-class RunFolder:
-    """The run folder as the first place: every rank writes its part of a save into the step's staging folder there,
-    and rank 0 commits it (CheckpointManager._land). `latest` is the whole-step places' (``resolve``)."""
+    # --- save ----------------------------------------------------------------------------------------------------
+    def prepare(self, step: int) -> Path:
+        step_dir = self._m._writing.save_dir(self.root, self.run_id, step)
+        self._m._prepare_everywhere(step, step_dir)
+        return step_dir
 
-    def attach(self, manager: CheckpointManager) -> None:
-        self.m = manager
+    def land(self, step: int, step_dir: Path, files: dict[str, dict], *, meta: dict | None, record: SaveRecord,
+             t0: float, landed: Callable[[SaveRecord, float], None] | None = None) -> None:
+        self._m._land(step, step_dir, files, meta=meta, record=record, t0=t0, landed=landed)
 
-    def save(self, step: int, state: CheckpointState, meta: dict | None, *, t0: float, shared: bool, peer: bool):
-        m = self.m
-        step_dir = m._writing.save_dir(m.root, m.run_id, step)
-        m._prepare_everywhere(step, step_dir)
-        try:
-            payload = m.backend.save(step_dir, state)
-        except (OSError, CheckpointError) as e:
-            raise m._save_failed(step, step_dir, e) from None
-        record = SaveRecord(step, blocking_s=time.perf_counter() - t0)
+    def failed(self, step: int, step_dir: Path | None, e: OSError | CheckpointError, *,
+               cleanup: Callable[[], object] | None = None, where: tuple = ()) -> CheckpointError:
+        return self._m._save_failed(step, step_dir, e, cleanup=cleanup, where=where)
 
-        def finish() -> None:
-            try:
-                files = payload.wait()
-                record.bytes = sum(r["size"] for r in files.values())  # rank 0: every part's, once committed
-                m._land(step, step_dir, files, meta=meta, record=record, t0=t0, landed=self._landed)
-            except (OSError, CheckpointError) as e:
-                m._fail(m._save_failed(step, step_dir, e))
+    def abandon(self, step_dir: Path, e: OSError | CheckpointError) -> None:
+        if not isinstance(e, Fenced) and not self._m.fenced:
+            self._m._abandon(step_dir, e)
 
-        return payload, finish, record
+    def fail(self, error: CheckpointError) -> None:
+        self._m._fail(error)
 
-    def _landed(self, record: SaveRecord, t0: float) -> None:
-        record.durable_s = time.perf_counter() - t0
-        self.m._log_save(record)
+    def guard(self, what: str) -> None:
+        self._m._guard(what)
 
-    def latest(self, state: CheckpointState, t0: float) -> int | None:
-        info = self.m.resolve("latest")
-        if info is None:
-            return None
-        self.m._load_shared(info, state)
-        self.m._loaded(info, t0)
-        return info.step
+    def in_flight(self, besides: int) -> set[int]:
+        # list(): a C-level copy, atomic under the GIL (the training thread appends and reaps meanwhile)
+        return {h.step for h in list(self._m.in_flight) if h.step != besides}
 
-    def protected(self) -> set[int]:
-        return set()
+    # --- load ----------------------------------------------------------------------------------------------------
+    @property
+    def ahead(self) -> layout.VerifiedAhead | None:
+        return self._m._ahead
 
-    def recover(self, own_staging: str, *, fresh: bool) -> None:
-        pass  # the manager sweeps the run folder itself
+    def resolve(self, spec: str) -> layout.CheckpointInfo | None:
+        return self._m.resolve(spec)
 
-    def check_space(self, state: CheckpointState) -> None:
-        pass
+    def newest(self) -> int | None:
+        return self.rank.from_main(max((i.step for r in self._m._roots() for i in layout.list_checkpoints(r)
+                                        if i.committed), default=None) if self.rank.is_main else None)
 
-    def follow(self, step: int) -> None:
-        pass
+    def manifest(self, step: int) -> tuple[Path, dict] | None:
+        """Its payload is not read: a local copy that matches its records is the run's bytes (LocalTier.usable). A
+        manifest that cannot be read is said once, and taken for none."""
+        found, unreadable = None, []
+        if self.rank.is_main:
+            for root in self._m._roots():
+                step_dir = storage.as_path(root) / layout.step_dir_name(step)
+                try:
+                    if storage.is_link(step_dir) or not (step_dir / layout.COMMITTED).exists():
+                        continue  # a linked step folder is never read (list_checkpoints)
+                    found = (step_dir, layout.read_manifest(step_dir))
+                    break
+                except CheckpointError as e:
+                    unreadable.append(str(e))
+                except OSError as e:  # e.g. an object store that does not answer
+                    unreadable.append(f"{step_dir}: {e.strerror or e}")
+            if found is None and unreadable:
+                _log.warning(f"warning: cannot read the shared tier's manifest of step {step} ({unreadable[0]}); the "
+                             f"local copies of step {step} are checked against their own manifests only")
+        return self.rank.from_main(found)
 
-    def poll(self) -> None:
-        pass
+    def holds(self, step: int) -> bool:
+        return self.rank.from_main((self.root / layout.step_dir_name(step) / layout.COMMITTED).exists()
+                                   if self.rank.is_main else None)
 
-    def wait(self) -> None:
-        pass
+    def load(self, info: layout.CheckpointInfo, state: CheckpointState) -> None:
+        self._m._load_shared(info, state)
 
-    def close(self) -> None:
-        pass
-
-    def finished(self) -> None:
-        pass
-
-    def summary(self) -> str:
-        return ""
+    def loaded(self, info: layout.CheckpointInfo, t0: float, source: str = "") -> None:
+        self._m._loaded(info, t0, source)

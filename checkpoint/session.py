@@ -26,23 +26,21 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from . import fsio, knobs, layout, lease as run_lease, slurm, storage
+from . import fsio, knobs, layout, lease as run_lease, storage
 from .backends import RankInfo, check_combination, make_backend
-from .backends.torchfile import rank_file
 from .errors import CheckpointError
 from .jit import JustInTime, NoJIT
-from .manager import CheckpointManager, RunFolder, SaveRecord
+from .manager import CheckpointManager, SaveRecord
+from .places.first import RunFolder
 from .places.mirror import Mirror
 from .naming import setting
 from .places.nodelocal import NodeLocal
-from .places.peer import Link, PeerCopy, buddies
 from .places import Places
 from .policy import FINISHED, INTERVAL, NONE, SignalWatcher, step_boundary
 from .reader import section_reader
 from .retention import Retention
 from .settings import Settings
 from .state import CheckpointState, RunInfo
-from .places.tier import LocalTier
 
 _log = logging.getLogger(__name__)
 
@@ -175,32 +173,16 @@ class Session:
         step_dirs = self._step_dirs(spec)
         shared = layout.read_manifest(step_dirs[0]) if step_dirs and self._readable(step_dirs[0]) else None
         if spec == "latest" and self.places.local is not None:  # the load takes a local copy of that step or newer
-            mine = self.places.local.rank_dir(self.rank.rank)
-            newest = shared["step"] if shared is not None else 0
-            local = [i for i in layout.list_checkpoints(mine) if i.committed and i.step >= newest]
-            if local:  # this rank's part, and the shared pieces from its node leader's part (the rank's own, on it)
-                step_dir = local[-1].path
-                manifest = layout.read_manifest(step_dir)
-                planned = self._plan_files(step_dir, manifest, list(manifest["files"]), records)
-                leader = manifest.get("meta", {}).get("tier", {}).get("leader", self.rank.rank)
-                if planned is not None and isinstance(leader, int) and leader != self.rank.rank:
-                    planned[1].extend(self._plan_leader(self.places.local.rank_dir(leader) / step_dir.name, leader,
-                                                        records))
+            parts = NodeLocal.read_ahead(self.places.local, self.rank.rank, shared["step"] if shared is not None else 0)
+            if (own := next(parts, None)) is not None:  # this rank's part, then its node leader's shared pieces
+                planned = self._plan_files(*own, records)
+                for part in parts if planned is not None else ():
+                    theirs = self._plan_files(*part, records)
+                    planned[1].extend(theirs[1] if theirs is not None else [])
                 return planned
         if shared is None:
             return None
         return self._plan_files(step_dirs[0], shared, self.backend.files_read(shared, self.rank.rank), records)
-
-    def _plan_leader(self, leader_dir: Path, leader: int, records: dict) -> list[tuple[Path, int]]:
-        """The shared pieces in the node leader's part of a local step, if it holds that step."""
-        if not self._readable(leader_dir):
-            return []
-        try:
-            theirs = layout.read_manifest(leader_dir)
-        except CheckpointError:
-            return []  # the load says what is wrong with it
-        planned = self._plan_files(leader_dir, theirs, [n for n in theirs["files"] if n != rank_file(leader)], records)
-        return planned[1] if planned is not None else []
 
     @staticmethod
     def _readable(step_dir) -> bool:
@@ -265,8 +247,8 @@ class Session:
             self.lease.start_heartbeat()
         retention = Retention(s.keep, s.keep_every, s.keep_best)
         # The places' machinery: where saves land first, and the copies of the run folder's steps (rank 0's)
-        first = self.places.first(node_local=lambda: NodeLocal(*self._node_local(run_id[2], run_id[0], run_id[1])),
-                                  run_folder=RunFolder)
+        first = NodeLocal.of(s, self.rank, self.places, lineage=run_id[2], run_id=run_id[0], generation=run_id[1],
+                             spares=self.backend.reuses_files) if self.places.local is not None else RunFolder()
         copies = [Mirror(place.root, run_id=run_id[0], every=s.mirror_every, timeout_s=s.mirror_timeout_s,
                          retention=retention if s.mirror_keep is None else replace(retention, keep=s.mirror_keep))
                   for place in self.places.copies] if main else []
@@ -274,31 +256,6 @@ class Session:
                                          lease=self.lease, first=first, copies=copies)
         self.state = state
         return self.manager.open(spec, state, ahead)
-
-    def _node_local(self, lineage: str, run_id: str, generation: int) -> tuple[LocalTier, PeerCopy | None]:
-        """This rank's folder in its node's local tier, and with ``peer`` its side of the peer copy. The node's first
-        rank (by the host names every rank reports) is its leader: it writes the shared pieces there, once per node."""
-        s = self.settings
-        nodes = self.rank.gather(knobs.node_name(self.rank.rank))
-        leader = nodes.index(nodes[self.rank.rank])
-        identity = {"origin": str(self.root), "lineage": lineage, "job": slurm.job_id() or ""}
-        order, why = buddies(nodes) if s.peer else ([], None)
-        if why and self.rank.is_main:
-            _say(f"warning: {setting('peer', True)}: {why}; the local tier goes on without a peer copy")
-        tier = LocalTier(self.places.local.root, self.rank, leader=leader, identity=identity, keep=s.local_keep,
-                         copies=2 if order else 1, generation=generation, setting=self.places.local.setting,
-                         spares=self.backend.reuses_files)
-        if not order:
-            return tier, None
-        link = Link(self.rank, timeout_s=s.peer_timeout_s)  # collective: every rank, in the same order
-        scope = None
-        if knobs.emulated_nodes():  # one host, one local folder: each emulated node holds only what its ranks wrote
-            mates = [r for r, name in enumerate(nodes) if name == nodes[self.rank.rank]]
-            local, peer = self.places.local, self.places.peer
-            scope = {str(p.relative_to(local.root)) for r in mates
-                     for p in (local.rank_dir(r), peer.rank_dir(order.index(r)))}
-        return tier, PeerCopy(tier, link, buddy=order[self.rank.rank], source=order.index(self.rank.rank),
-                              keep=s.local_keep, run_id=run_id, scope=scope)
 
     @property
     def loaded(self) -> layout.CheckpointInfo | None:

@@ -1,11 +1,17 @@
 """Where a run's committed steps live, nearest first. Every place is derived here, once, from the run's settings: no
-other module turns a setting into a place's folder.
+other module turns a setting into a place's folder, and no other module spells a per-rank folder (``rank_dir_name``,
+``rank_dirs``, ``PEER_DIR``).
 
     place    its root (the run's folder there)            written by                 holds
     local    <local-dir>/<experiment>-<key>/               each rank, its own part    rank-N/step-M (tier.py)
     peer     <local-dir>/<experiment>-<key>/peer/          the buddy node's ranks     rank-N/step-M (peer.py)
-    shared   <checkpoint-dir>/<experiment>/                every rank; rank 0 commits step-M (manager.py)
+    shared   <checkpoint-dir>/<experiment>/                every rank; rank 0 commits step-M (../manager.py)
     mirror   <mirror-dir>/<experiment>/                    rank 0                     step-M (mirror.py)
+
+The modules of this folder: the places' machinery. ``first.py``: the place every save lands in first (the run folder,
+or ``nodelocal.py``: this node's tier and the copies of it, each a ``Replica``), and the committer it is handed, the
+manager's side of a save; ``promoter.py``: the background copier that carries committed steps on (``tier.Drainer``,
+``peer.PeerCopy``, ``mirror.Mirror``).
 
 ``key`` names the shared run folder that the node-local places cache, so two runs of one experiment name on a node
 (another --checkpoint-dir, the same --local-checkpoint-dir) neither sweep, retire nor count each other's steps.
@@ -18,24 +24,39 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING, Callable
 
 from .. import storage
 from ..errors import CheckpointError
 from ..naming import setting
 
 if TYPE_CHECKING:
+    from .. import layout
     from ..settings import Settings
 
 LOCAL, PEER, SHARED, MIRROR = "local", "peer", "shared", "mirror"
-T = TypeVar("T")
-PEER_DIR = "peer"
+PEER_DIR = "peer"  # in a node-local run folder: the copies this node keeps of other nodes' ranks' parts
+_RANK_DIR = re.compile(r"rank-(\d{5,})")
 
 
 def rank_dir_name(rank: int) -> str:
+    """The folder of one rank's parts in a node-local place."""
     return f"rank-{rank:05d}"
+
+
+def rank_dirs(folder) -> list[Path]:
+    """The per-rank folders in ``folder`` (a run's folder in a node-local tier, or its peer/ folder), by name; none
+    where it is no local folder."""
+    return sorted(p for p in folder.iterdir() if p.is_dir() and _RANK_DIR.fullmatch(p.name)) \
+        if isinstance(folder, Path) and folder.is_dir() else []
+
+
+def rank_of(rank_dir: Path) -> int:
+    """The rank whose parts a per-rank folder (one of ``rank_dirs``) holds."""
+    return int(_RANK_DIR.fullmatch(rank_dir.name).group(1))
 
 
 def run_folder_name(origin: str, experiment: str) -> str:
@@ -101,11 +122,6 @@ class Places:
         """Nearest first."""
         return [p for p in (self.local, self.peer, self.shared, self.mirror) if p is not None]
 
-    def first(self, *, node_local: Callable[[], T], run_folder: Callable[[], T]) -> T:
-        """The machinery of the place every save lands in first: ``node_local()`` where the run has node-local
-        places (which carry each step on to the run folder), else ``run_folder()``."""
-        return node_local() if self.local is not None else run_folder()
-
     @property
     def copies(self) -> list[Place]:
         """The places that receive copies of the run folder's committed steps (rank 0 copies them): the mirror."""
@@ -116,6 +132,38 @@ class Places:
         """The places that hold whole steps (every rank's part in one folder), where `latest` is looked for on any
         rank: the shared run folder, then its mirror."""
         return [p for p in (self.shared, self.mirror) if p is not None]
+
+
+class Replica:
+    """One node-local copy of this rank's committed steps, as the node-local place (nodelocal.py) iterates them: the
+    rank's own folder in its node's tier (tier.LocalTier) and the copy on the next node (peer.PeerCopy). A copy answers
+    what concerns it; the defaults are those of a copy with nothing to send, protect, restore or say."""
+
+    def submit(self, step: int, step_dir: Path | None) -> None:
+        """``step_dir``: this rank's part of ``step``, committed in its tier, for the copy to take; None: this rank's
+        save of ``step`` failed (a copy paired with another rank's tells it so)."""
+
+    def protected(self) -> set[int]:
+        """The local steps the copy still reads: the tier's retention keeps them."""
+        return set()
+
+    def restore(self, local: dict[int, layout.CheckpointInfo], floor: Callable[[], int | None],
+                forks: list | None = None, *, below: int | None = None) -> list[int]:
+        """Collective, at a restart: parts newer than ``floor()`` (a collective too, asked only by a copy that
+        restores) that this rank lacks, brought into its tier and added to ``local``; the ranks that got one."""
+        return []
+
+    def retire_newer(self, step: int) -> None:
+        """The run continues from ``step``: newer copies belong to a line it left."""
+
+    def close(self) -> None:
+        """The run ends: what is in flight finishes (bounded)."""
+
+    def clear(self) -> None:
+        """The run's final step is in the shared tier (or the run starts afresh): the copies have done their job."""
+
+    def summary(self) -> str:
+        return ""
 
 
 def _local_refusal(s: "Settings") -> str | None:

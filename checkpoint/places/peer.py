@@ -40,7 +40,7 @@ from ..errors import CheckpointError
 from ..fsio import MiB, fsync_dir, make_dirs, new_hasher
 from ..logs import EVERY_RANK
 from ..retention import apply_retention
-from . import PEER_DIR, rank_dir_name
+from . import PEER_DIR, Replica, rank_dir_name, rank_dirs, rank_of
 from .promoter import ORDERED, Promoter
 from .tier import LocalTier, abandoned
 
@@ -307,7 +307,7 @@ class Link:
 # --- the place ---------------------------------------------------------------------------------------------------
 
 
-class PeerCopy:
+class PeerCopy(Replica):
     """This rank's side of the peer place: sends its committed local steps to ``buddy`` and keeps ``source``'s."""
 
     def __init__(self, tier: LocalTier, link: Link, *, buddy: int, source: int, keep: int, run_id: str,
@@ -409,13 +409,10 @@ class PeerCopy:
         """What this node holds of this run, by owner rank: committed steps in any rank's tier folder or peer copy
         (not verified here: the chosen one is, by the receiver and again by the load)."""
         out: dict[int, dict[int, str]] = {}
-        for folder in sorted(self.run_folder.glob("rank-*")) + sorted((self.run_folder / PEER_DIR).glob("rank-*")):
+        for folder in rank_dirs(self.run_folder) + rank_dirs(self.run_folder / PEER_DIR):
             if self.scope is not None and str(folder.relative_to(self.run_folder)) not in self.scope:
                 continue
-            try:
-                owner = int(folder.name.split("-", 1)[1])
-            except ValueError:
-                continue
+            owner = rank_of(folder)
             for info in layout.list_checkpoints(folder):
                 if info.committed and info.step not in out.get(owner, {}) and self._this_run(info.path, owner):
                     out.setdefault(owner, {})[info.step] = str(info.path)
@@ -434,16 +431,17 @@ class PeerCopy:
         return tier.get("rank") == owner and all(tier.get(k) == mine[k] for k in ("origin", "lineage", "job",
                                                                                     "world_size"))
 
-    def restore(self, local: dict[int, layout.CheckpointInfo], floor: int | None, forks: list | None = None, *,
-                below: int | None = None) -> list[int]:
-        """Collective. The newest step newer than ``floor`` (the newest step every rank holds locally, or the shared
-        tier's newest, whichever is newer) and older than ``below`` that some node holds for every rank: each rank
+    def restore(self, local: dict[int, layout.CheckpointInfo], floor: Callable[[], int | None],
+                forks: list | None = None, *, below: int | None = None) -> list[int]:
+        """Collective. The newest step newer than ``floor()`` (the newest step every rank holds locally, or the shared
+        tier's newest, whichever is newer; a collective too) and older than ``below`` that some node holds for every rank: each rank
         lacking it gets its part from a holder and commits it in its own tier folder, and adds it to ``local``.
         Returns the ranks that did. A part that does not arrive (a holder's copy fails its checksum -- that copy is
         removed -- or the receiver's tier is full, or the link fails) is tried from another holder, then the next
         older step is, down to ``floor``: a restart falls back to the shared tier (whose step the run then follows,
         retiring the newer local ones) only when no node could give every rank a newer step."""
         rank = self.tier.rank
+        floor = floor()
         self._forks = forks or []
         everyone = rank.gather([sorted(local), {o: sorted(s) for o, s in self.holdings().items()}])
         avail: list[set[int]] = []
@@ -561,8 +559,8 @@ class PeerCopy:
     def retire_newer(self, step: int) -> None:
         """The run continues from ``step``: newer copies anywhere on this node belong to a line it left (another rank
         of the node may be removing the same ones: whoever comes first does)."""
-        folders = [p for p in self.run_folder.glob("rank-*") if p != self.tier.root]
-        for folder in folders + sorted((self.run_folder / PEER_DIR).glob("rank-*")):
+        folders = [p for p in rank_dirs(self.run_folder) if p != self.tier.root]
+        for folder in folders + rank_dirs(self.run_folder / PEER_DIR):
             for info in layout.list_checkpoints(folder):
                 if info.step > step:
                     try:

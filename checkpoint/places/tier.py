@@ -51,13 +51,13 @@ from ..logs import EVERY_RANK
 from ..reader import flatten
 from ..retention import apply_retention
 from ..state import CheckpointState, OptimizerState
-from . import rank_dir_name
+from . import Replica, rank_dir_name
 from .promoter import ORDERED, Promoter
 
 _log = logging.getLogger(__name__)
 
 
-class LocalTier:
+class LocalTier(Replica):
     """This rank's folder in its node's local tier, and its node leader's (read-only)."""
 
     def __init__(self, base: Path, rank: RankInfo, *, leader: int, identity: dict, keep: int = 2, copies: int = 1,
