@@ -1,4 +1,4 @@
-"""The promoter: the one background thread that moves committed steps from one place to the next (places.py). Each
+"""The promoter: the one background thread that moves committed steps from one place to the next (places/). Each
 arrow of the places' diagram (docs/ARCHITECTURE.md) is a Promoter with its own ``copy``; what differs between them is
 only which steps they take and what a failure means:
 
