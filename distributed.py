@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from checkpoint import slurm
 from checkpoint.backends.base import RankInfo
+from checkpoint.state import unwrap_model  # noqa: F401 - the module under parallelize's wrappers (DDP, compile)
 from procs import die_with_parent  # stdlib only
 from devices import DEVICES, DTYPE_NAMES  # noqa: F401 - DEVICES re-exported; the names, stdlib only
 

@@ -20,7 +20,8 @@ _LAZY = {
     "CheckpointError": "errors", "Fenced": "lease", "CheckpointManager": "manager",
     **dict.fromkeys(("FINISHED", "REQUEUE_FAILED", "REQUEUED", "STOPPED", "SignalWatcher", "When",
                      "install_signal_handlers"), "policy"),
-    **dict.fromkeys(("FENCED", "FINAL_SAVE_FAILED", "Session"), "session"), "Settings": "settings",
+    **dict.fromkeys(("FENCED", "FINAL_SAVE_FAILED", "Session", "Outcome", "Preview", "Found", "Loaded", "Loop",
+                     "Ending"), "session"), "Settings": "settings",
     **dict.fromkeys(("CheckpointState", "ModelState", "OptimizerState", "RNGState", "RunInfo", "Stateful",
                      "TrainState", "unwrap_model"), "state"),
 }
@@ -45,8 +46,9 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    # the facade
-    "Session", "Settings", "When", "FENCED", "FINAL_SAVE_FAILED",
+    # the facade: its calls' results, and how a run ends
+    "Session", "Settings", "When", "Preview", "Found", "Loaded", "Loop", "Ending", "Outcome", "FENCED",
+    "FINAL_SAVE_FAILED",
     # what is saved
     "CheckpointState", "ModelState", "OptimizerState", "RNGState", "RunInfo", "Stateful", "TrainState", "unwrap_model",
     # how a run ends

@@ -5,8 +5,8 @@
                    size, where it is held and its status (latest, the --keep-best ones, just-in-time saves). Held in:
                    `shared` (DIR), `mirror`, `local 2/2` (this node's local tier: its ranks' parts of the world's),
                    `peer: rank 1` (the peer copies this node holds for another node's ranks). The mirror and the
-                   local tier are the run's --mirror-dir and --local-checkpoint-dir as DIR/config.resolved.json
-                   names them, or MIRROR and LOCAL (DIR itself may be a run's folder in a local tier)
+                   local tier are those DIR/places.json names (the run records them at every start), or MIRROR
+                   and LOCAL (DIR itself may be a run's folder in a local tier)
     verify PATH    check sizes and checksums of one step folder, or of every committed one under DIR (exit 1 if bad)
     inspect PATH   what a checkpoint holds: manifest, card, files, tensors of the model section
     convert SRC DST --to vanilla|dcp
@@ -19,20 +19,20 @@ the probe loss from the weights; `python hf.py export SRC OUT --to hf` writes a 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import layout, logs, storage
+from . import layout, logs, naming, storage
 from .errors import CheckpointError
 from .fsio import MiB
 from .backend_table import FORMATS  # convert's; convert itself (torch) loads when it runs
 from .places import PEER_DIR, rank_dirs, rank_of, tier_root  # <tier>/rank-N, <tier>/peer/rank-N: parts by rank
 from .retention import best_steps, eval_loss
+from .naming import setting
+from .settings import PLACES_RECORD
 
 
 def _card(info: layout.CheckpointInfo) -> dict:
@@ -52,9 +52,6 @@ def _num(x, fmt: str = ".4f") -> str:
     return format(x, fmt) if isinstance(x, (int, float)) else "-"
 
 
-# train.py writes it into the run folder (flags.RESOLVED_CONFIG): every flag's final value, rewritten at each start, so
-# it names the mirror and the local tier the run uses now; the library does not import train.py's flags module.
-RESOLVED_CONFIG = "config.resolved.json"
 
 
 @dataclass
@@ -106,7 +103,7 @@ def cmd_list(path, local: Path | None = None, mirror=None) -> int:
     if not steps:
         if places[0].tier:
             raise CheckpointError(f"no local tier of this run at {places[0].root} (expected the run's "
-                                  "--local-checkpoint-dir, whose <experiment>-<key> folder holds rank-N folders)")
+                                  f"{setting('local_dir')}, whose <experiment>-<key> folder holds rank-N folders)")
         raise CheckpointError(f"no checkpoints under {path} (expected an experiment folder holding step-N folders)")
     status = {id(info): _checked(info) for s in steps.values()
               for info in (*s.full.values(), *s.local.values(), *s.peer.values())}
@@ -186,58 +183,46 @@ def _places(run, local, mirror) -> list[_Place]:
     if local is None and mirror is None and _is_tier(run):
         return [_Place("local", run, "this node", tier=True)]
     places = [_Place("shared", run)]
-    flags = _recorded_flags(run)
-    base = _training_dir(run, flags.get("checkpoint_dir"))
+    recorded, spelled = _recorded(run)
+    naming.spell_as(spelled)  # this tool's lines name the run's settings as its user typed them
+
+    def found(name: str) -> str:
+        return f"{spelled.get(name, name)} {recorded[name]} in {PLACES_RECORD}"
     if mirror is not None:
         root = mirror / run.name
         if not root.is_dir():
             root = mirror if layout.list_checkpoints(mirror) else None
         if root is None:
-            raise CheckpointError(f"no mirror of this run at {mirror} (expected the run's --mirror-dir, holding "
-                                  f"{run.name}/step-N folders)")
+            raise CheckpointError(f"no mirror of this run at {mirror} (expected the run's {setting('mirror_dir')}, "
+                                  f"holding {run.name}/step-N folders)")
         places.append(_Place("mirror", root, "--mirror"))
-    elif (recorded := _recorded_path(flags.get("mirror_dir"), base)) is not None:
-        root = recorded / run.name
-        places.append(_Place("mirror", root, f"--mirror-dir {flags['mirror_dir']} in {RESOLVED_CONFIG}",
-                             present=root.is_dir()))
+    elif recorded.get("mirror_dir"):
+        root = storage.as_path(recorded["mirror_dir"]) / run.name
+        places.append(_Place("mirror", root, found("mirror_dir"), present=root.is_dir()))
     if local is not None:
         root = local if _is_tier(local) else tier_root(local, run.name, str(run))
         if not _is_tier(root):
-            raise CheckpointError(f"no local tier of this run at {root} (expected the run's --local-checkpoint-dir, "
+            raise CheckpointError(f"no local tier of this run at {root} (expected the run's {setting('local_dir')}, "
                                   "whose <experiment>-<key> folder holds rank-N folders)")
         places.append(_Place("local", root, "this node, --local", tier=True))
-    elif (recorded := _recorded_path(flags.get("local_checkpoint_dir"), base)) is not None:
-        root = tier_root(recorded, run.name, str(run))
-        places.append(_Place("local", root, f"this node, --local-checkpoint-dir {flags['local_checkpoint_dir']} in "
-                             f"{RESOLVED_CONFIG}", present=_is_tier(root), tier=True))
+    elif recorded.get("local_dir"):
+        root = tier_root(Path(recorded["local_dir"]), run.name, str(run))
+        places.append(_Place("local", root, f"this node, {found('local_dir')}", present=_is_tier(root), tier=True))
     return places
 
 
-def _recorded_flags(run) -> dict:
-    """The run's flags as its last start resolved them, or {} (none written: a run of an older PyRecover, a copy)."""
+def _recorded(run) -> tuple[dict, dict]:
+    """What the run recorded of its places at its last start (PLACES_RECORD: the settings by name, paths absolute)
+    and how its front end spells them; ({}, {}) when it recorded none (a copy, a run of an older PyRecover)."""
     try:
-        flags = json.loads(storage.read_small(run / RESOLVED_CONFIG))
+        record = json.loads(storage.read_small(run / PLACES_RECORD))
     except (OSError, ValueError, CheckpointError):
-        return {}
-    return flags if isinstance(flags, dict) else {}
-
-
-def _training_dir(run, checkpoint_dir) -> Path:
-    """The folder train.py ran in, against which its config's relative paths count: the one that the recorded
-    relative --checkpoint-dir, joined to it, makes ``run``'s parent (else the current folder)."""
-    if isinstance(run, Path) and isinstance(checkpoint_dir, str) and "://" not in checkpoint_dir \
-            and not os.path.isabs(checkpoint_dir):
-        parent, depth = Path(os.path.realpath(run)).parent, len(Path(checkpoint_dir).parts)
-        base = parent.parents[depth - 1] if 0 < depth <= len(parent.parents) else parent
-        if os.path.realpath(base / checkpoint_dir) == str(parent):
-            return base
-    return Path.cwd()
-
-
-def _recorded_path(value, base: Path):
-    if not isinstance(value, str) or not value:
-        return None
-    return storage.as_path(value) if "://" in value or os.path.isabs(value) else base / value
+        return {}, {}
+    places, spelled = (record.get("places"), record.get("spelled")) if isinstance(record, dict) else (None, None)
+    if not isinstance(places, dict):
+        return {}, {}
+    places = {k: v for k, v in places.items() if isinstance(v, str) and v}
+    return places, {k: v for k, v in spelled.items() if isinstance(v, str)} if isinstance(spelled, dict) else {}
 
 
 def _is_tier(path) -> bool:
@@ -298,26 +283,17 @@ def cmd_inspect(path: Path) -> int:
     return 0
 
 
-def _spell_as_train_py() -> None:
-    """This tool reads train.py's runs, and its users typed train.py's flags: the package's messages name those
-    (flags.SETTING_FLAGS) when train.py's modules are importable, as from the project's folder."""
-    front = importlib.import_module("flags") if importlib.util.find_spec("flags") is not None else None
-    if hasattr(front, "spell_settings"):
-        front.spell_settings()
-
-
 def main(argv: list[str] | None = None) -> int:
-    _spell_as_train_py()
     p = argparse.ArgumentParser(prog="python -m checkpoint", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("list", "verify", "inspect"):
         sub.add_parser(name).add_argument("path", type=storage.as_path)
     sub.choices["list"].add_argument("--local", type=Path, default=None, metavar="LOCAL",
-                                     help="this node's local tier of the run: its --local-checkpoint-dir (default: "
-                                          "as the run's config.resolved.json names it)")
+                                     help="this node's local tier of the run (default: as the run's "
+                                          f"{PLACES_RECORD} names it)")
     sub.choices["list"].add_argument("--mirror", type=storage.as_path, default=None, metavar="MIRROR",
-                                     help="the run's --mirror-dir (default: as its config.resolved.json names it)")
+                                     help=f"the run's mirror (default: as its {PLACES_RECORD} names it)")
     conv = sub.add_parser("convert", help="rewrite a checkpoint in another backend's format")
     conv.add_argument("src", help="step folder, or experiment folder (its latest)")
     conv.add_argument("dst", help="experiment folder (result: DST/step-N) or a step-N folder")

@@ -4,9 +4,19 @@ it sits apart from the Session that uses it (places.py needs it without the Sess
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 
+from . import naming
 from .policy import When
+
+#: the run folder's record of where its steps live, by setting name, and how its front end spells those settings:
+#: rewritten by rank 0 at every load (Session.load); ``python -m checkpoint`` reads it to find the run's mirror and
+#: node-local tier and to name them as the run's user typed them, without importing the front end
+PLACES_RECORD = "places.json"
+#: the settings it records (paths made absolute as the run resolved them)
+RECORDED = ("checkpoint_dir", "experiment", "mirror_dir", "local_dir")
 
 
 @dataclass(frozen=True)
@@ -15,6 +25,7 @@ class Settings:
 
     checkpoint_dir: str  # a local folder or s3://bucket/prefix
     experiment: str = "default"  # the run folder under checkpoint_dir
+    resume: str | None = None  # what the load restores: `latest`, a step, a step folder or manifest; None: fresh
     backend: str = "vanilla"
     backend_options: dict = field(default_factory=dict)
     sharded: bool = False  # the model is sharded over ranks (FSDP)
@@ -38,3 +49,13 @@ class Settings:
     local_keep: int = 2  # newest local steps kept per rank
     peer: bool = False  # every local step also kept on the next node (peer.py)
     peer_timeout_s: float = 600.0  # how long a peer transfer may wait for its other end
+
+    def places_record(self) -> bytes:
+        """PLACES_RECORD's content for these settings (JSON)."""
+        def where(value):
+            return value if not isinstance(value, str) or "://" in value else os.path.abspath(value)
+
+        places = {name: (getattr(self, name) if name == "experiment" else where(getattr(self, name)))
+                  for name in RECORDED}
+        spelled = {name: naming.setting(name) for name in RECORDED}
+        return (json.dumps({"places": places, "spelled": spelled}, indent=1) + "\n").encode()

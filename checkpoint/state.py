@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from .backend_table import capabilities  # names and capabilities only: no backend module is imported
 from .errors import CheckpointError
 from .naming import setting
 
@@ -298,3 +299,20 @@ class CheckpointState(dict):
     def per_rank(self) -> dict[str, Stateful]:
         return {k: v for k, v in self.items() if k in PER_RANK_KEYS}
 
+
+    @classmethod
+    def for_training(cls, *, config: dict[str, Any], versions: dict[str, str], world_size: int,
+                     model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Stateful,
+                     dataloader: Stateful, train_state: TrainState, backend: str,
+                     grad_scaler: Stateful | None = None) -> CheckpointState:
+        """A training loop's state: the run's ``config`` and ``versions`` first (a load that fails on another model is
+        then explained by the saved flags: ``state["run_info"]``), the model and optimizer as ``backend`` saves them
+        (a sharded format: each rank its FSDP shards), the schedule, the data position, the counters, this rank's RNG
+        streams, and an enabled gradient scaler (fp16)."""
+        sharded = capabilities(backend).sharded
+        state = cls(run_info=RunInfo(config=config, versions=versions, world_size=world_size),
+                    model=ModelState(model, sharded=sharded), optimizer=OptimizerState(model, optimizer, sharded=sharded),
+                    lr_scheduler=lr_scheduler, dataloader=dataloader, train_state=train_state, rng=RNGState())
+        if grad_scaler is not None and grad_scaler.is_enabled():
+            state["grad_scaler"] = grad_scaler
+        return state

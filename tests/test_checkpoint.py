@@ -82,10 +82,10 @@ def test_sigkill_at_random_step_then_resume_is_bit_exact(nproc, corpus, tmp_path
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_sigkill_inside_a_save_leaves_previous_checkpoint_latest(nproc, corpus, tmp_path, reference):
-    # Rank 0 renames 2 files before the first save (its lease generation, config.resolved.json), then 9 per vanilla
-    # save (7 files, its manifest part, COMMITTED): the 13th rename is inside the 2nd save (step 8).
+    # Rank 0 renames 3 files before the first save (its lease generation, config.resolved.json, places.json), then 9
+    # per vanilla save (7 files, its manifest part, COMMITTED): the 14th rename is inside the 2nd save (step 8).
     args = _args(corpus, tmp_path)
-    proc = _run(nproc, args, env={"PYRECOVER_FAULT": "after_fsync_before_rename:13"})
+    proc = _run(nproc, args, env={"PYRECOVER_FAULT": "after_fsync_before_rename:14"})
     assert proc.returncode != 0
     root = tmp_path / "default"
     # The interrupted save of step 8 is in its staging folder, never visible as a step folder.

@@ -147,11 +147,11 @@ def test_ddp_two_ranks_kill_mid_persist_and_resume_bit_exact(corpus, tmp_path, v
 
 def test_background_write_error_stops_the_run_at_the_next_steps_with_one_line(corpus, tmp_path):
     """An I/O error inside the background writer (injected after the first payload file's bytes, before its fsync;
-    the run's first write is config.resolved.json) must not be lost: training stops within a few steps of the failing
-    save, with one clear line and exit code 1."""
+    the run's first writes are config.resolved.json and places.json) must not be lost: training stops within a few
+    steps of the failing save, with one clear line and exit code 1."""
     args = TINY + ["--dataset", corpus, "--training-steps", "60", "--checkpoint-frequency", "3", "--log-loss-to-csv",
                    "--checkpoint-dir", str(tmp_path), "--checkpoint-backend", "concurrent"]
-    proc = run_train(args, env={"PYRECOVER_FAULT": "after_write_before_fsync:2:error"})
+    proc = run_train(args, env={"PYRECOVER_FAULT": "after_write_before_fsync:3:error"})
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

@@ -53,8 +53,9 @@ def test_list_shows_the_shared_folder_the_mirror_the_local_tier_and_peer_copies_
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[:3] == [f"shared  {run}",
-                         f"mirror  {mirrored.parent}  (--mirror-dir mirror in config.resolved.json)",
-                         f"local   {tier}  (this node, --local-checkpoint-dir local in config.resolved.json)"], lines
+                         f"mirror  {mirrored.parent}  (--mirror-dir {tmp_path / 'mirror'} in places.json)",
+                         f"local   {tier}  (this node, --local-checkpoint-dir {tmp_path / 'local'} in places.json)"],\
+        lines
     header = lines[3]
     assert header.split()[:5] == ["step", "tokens", "loss", "eval", "saved"], header
     assert re.search(r"  ranks  held in +status$", header), header

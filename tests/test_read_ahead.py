@@ -1,4 +1,4 @@
-"""What a restart reads ahead while it sets up (Session.read_ahead), in process, through the real Session lifecycle
+"""What a restart reads ahead while it sets up (Session.prepare), in process, through the real Session lifecycle
 and the vanilla backend over a tiny state: the step the load will take, from the tier it will take it from, and
 nothing that is not a regular file inside the step folder. The CLI test (test_resume_and_interrupt, Ctrl-C) shows the
 line through train.py and that the resumed run ends bitwise.
@@ -40,28 +40,41 @@ class Value:
         self.v, self.w = state_dict["v"], state_dict["w"]
 
 
-def _session(ck: Path, local: Path | None = None, *, every: int, local_every: int = 0, steps: int = 100) -> Session:
-    settings = Settings(checkpoint_dir=str(ck), when=When(every_steps=every, final_step=steps),
+def _session(ck: Path, local: Path | None = None, *, every: int, local_every: int = 0, steps: int = 100,
+             resume: str | None = None) -> Session:
+    settings = Settings(checkpoint_dir=str(ck), when=When(every_steps=every, final_step=steps), resume=resume,
                         local_dir=str(local) if local else None, local_every=local_every)
     return Session(settings, RankInfo(), agree=lambda v: v)
 
 
-def _run(session: Session, spec: str | None, last: int) -> tuple[int | None, Value]:
-    """Open (resume ``spec``), train to step ``last`` saving as the settings say, and stop as if killed: the saves
+def _prepared(session: Session):
+    """The read-ahead started (train.py: as soon as the session exists, before the rest of the setup), and waited for:
+    here nothing sets up in between, so what it read is known when the load comes."""
+    reading = session.prepare().reading
+    assert reading is None or reading.wait(timeout=30)
+    session.take()
+    return reading
+
+
+def _run(session: Session, last: int) -> tuple[int | None, Value]:
+    """Load ``settings.resume``, train to step ``last`` saving as the settings say, and stop as if killed: the saves
     are committed, nothing is cleared. Returns the resumed step and the state."""
     model = Value()
-    ahead = session.read_ahead(spec)  # train.py: as soon as the session exists, before the rest of the setup
-    if ahead is not None:  # here nothing sets up in between: let it finish, so what it read is known
-        assert ahead.wait(timeout=30)
-    step = session.open(spec, CheckpointState(model=model, dataloader=Value()))
-    session.follow(step)
+    _prepared(session)
+    step = session.load(CheckpointState(model=model, dataloader=Value())).step
     session.start()
     for s in range((step or 0) + 1, last + 1):
         model.v = s
         session.step_boundary(s, describe=lambda rushed: {})
-    session.manager.close()  # every save committed; no finish(): a killed run clears no local tier
-    session.release()
+    _killed(session)
     return step, model
+
+
+def _killed(session: Session) -> None:
+    """Every save committed, and no close(): a killed run requeues nothing and clears no local tier. The lease is
+    released, as the next start of a killed run would find it (its holder dead)."""
+    session.manager.close()
+    session._release()
 
 
 _LINE = r"read ahead ([\d.]+) of ([\d.]+) MiB of (\S+) while setting up(?:, (\d+) files verified and parsed)?"
@@ -86,28 +99,28 @@ def _mib(step_dir: Path) -> float:
 
 def test_a_restart_reads_ahead_the_step_it_loads(tmp_path):
     ck = tmp_path / "ck"
-    _run(_session(ck, every=4), None, 10)  # steps 4 and 8
+    _run(_session(ck, every=4), 10)  # steps 4 and 8
     logs = LogLines()
-    step, state = _run(_session(ck, every=4), "latest", 10)
+    step, state = _run(_session(ck, every=4, resume="latest"), 10)
     eight, four = ck / "default" / "step-00000008", ck / "default" / "step-00000004"
     assert (step, state.v) == (8, 10)
     assert _read_ahead(logs) == [(_mib(eight), _mib(eight), str(eight))] and _mib(eight) >= 1, list(logs)
     assert _parsed_ahead(logs) == [2], list(logs)  # model.pt and rank-00000.pt, handed to the load
 
     logs = LogLines()
-    step, _ = _run(_session(ck, every=4), "4", 5)  # an explicit step: that one
+    step, _ = _run(_session(ck, every=4, resume="4"), 5)  # an explicit step: that one
     assert step == 4 and _read_ahead(logs) == [(_mib(four), _mib(four), str(four))], list(logs)
 
     logs = LogLines()  # a file of the step folder, as --resume-from-checkpoint PATH takes it: its folder
-    step, _ = _run(_session(ck, every=4), str(four / "manifest.json"), 5)
+    step, _ = _run(_session(ck, every=4, resume=str(four / "manifest.json")), 5)
     assert step == 4 and _read_ahead(logs) == [(_mib(four), _mib(four), str(four))], list(logs)
 
 
 def test_a_step_the_local_tier_holds_is_read_ahead_from_there_not_from_the_shared_tier(tmp_path):
     ck, local = tmp_path / "ck", tmp_path / "local"
-    _run(_session(ck, local, every=4, local_every=2), None, 7)  # shared: 4; local: 4 and 6
+    _run(_session(ck, local, every=4, local_every=2), 7)  # shared: 4; local: 4 and 6
     logs = LogLines()
-    step, state = _run(_session(ck, local, every=4, local_every=2), "latest", 8)
+    step, state = _run(_session(ck, local, every=4, local_every=2, resume="latest"), 8)
     assert (step, state.v) == (6, 8) and logs.has("from their local tier"), list(logs)
     six = tier_root(local, "default", str(ck / "default")) / "rank-00000" / "step-00000006"
     assert _read_ahead(logs) == [(_mib(six), _mib(six), str(six))] and _parsed_ahead(logs) == [2], list(logs)
@@ -126,21 +139,20 @@ def test_the_load_takes_what_the_read_ahead_verified_and_never_what_failed(tmp_p
     """What the read-ahead verified against the manifest is what the load gets, even if the file changes after; a
     file that failed there is read again by the load, which refuses it as always."""
     ck = tmp_path / "ck"
-    _run(_session(ck, every=4), None, 8)
+    _run(_session(ck, every=4), 8)
     eight = ck / "default" / "step-00000008"
     expected = Value().w.clone()  # as saved; the byte flipped below is one of its
 
-    session = _session(ck, every=4)
-    ahead = session.read_ahead("latest")
-    assert ahead.wait(timeout=30)
+    session = _session(ck, every=4, resume="latest")
+    assert _prepared(session) is not None
     _damage(eight / "model.pt")  # after it was verified: the load does not read it again
     model = Value()
-    assert session.open("latest", CheckpointState(model=model, dataloader=Value())) == 8
+    assert session.load(CheckpointState(model=model, dataloader=Value())).step == 8
     assert model.v == 8 and torch.equal(model.w, expected)
-    session.release()
+    _killed(session)
 
     logs = LogLines()  # damaged before the read-ahead: not kept there, and the load skips the step
-    step, model = _run(_session(ck, every=4), "latest", 9)
+    step, model = _run(_session(ck, every=4, resume="latest"), 9)
     assert step == 4 and model.v == 9 and logs.has(f"skipping {eight}"), list(logs)
     assert _parsed_ahead(logs) == [1], list(logs)  # its rank file verified; model.pt did not
 
@@ -150,16 +162,15 @@ def test_the_local_tiers_load_takes_what_the_read_ahead_verified(tmp_path):
     tier's verify): a local file damaged after the read-ahead checked it is not read again, so step 6 still loads
     from the local tier instead of failing its checksum there and falling back to the shared step 4."""
     ck, local = tmp_path / "ck", tmp_path / "local"
-    _run(_session(ck, local, every=4, local_every=2), None, 7)  # shared: 4; local: 4 and 6
+    _run(_session(ck, local, every=4, local_every=2), 7)  # shared: 4; local: 4 and 6
     six = tier_root(local, "default", str(ck / "default")) / "rank-00000" / "step-00000006"
-    session = _session(ck, local, every=4, local_every=2)
-    ahead = session.read_ahead("latest")
-    assert ahead.wait(timeout=30)
+    session = _session(ck, local, every=4, local_every=2, resume="latest")
+    assert _prepared(session) is not None
     _damage(six / "model.pt")
     logs, model = LogLines(), Value()
-    assert session.open("latest", CheckpointState(model=model, dataloader=Value())) == 6, list(logs)
+    assert session.load(CheckpointState(model=model, dataloader=Value())).step == 6, list(logs)
     assert model.v == 6 and torch.equal(model.w, Value().w) and logs.has("from their local tier"), list(logs)
-    session.release()
+    session._release()  # killed here: step 6's drain (its model.pt damaged since) never runs
 
 
 @pytest.mark.parametrize("name", ["model.pt", "COMMITTED"])
@@ -167,12 +178,12 @@ def test_a_fifo_in_the_step_folder_is_not_waited_on(tmp_path, name):
     """A FIFO where a payload or the commit marker was: reading it would wait for a writer forever. The read-ahead's
     choice, its reader and the load's verify pass it by: the restart skips the step and loads the one before."""
     ck = tmp_path / "ck"
-    _run(_session(ck, every=4), None, 8)
+    _run(_session(ck, every=4), 8)
     newest = ck / "default" / "step-00000008"
     (newest / name).unlink()
     os.mkfifo(newest / name)
     logs = LogLines()
-    step, _ = _run(_session(ck, every=4), "latest", 9)
+    step, _ = _run(_session(ck, every=4, resume="latest"), 9)
     assert step == 4 and logs.has(f"skipping {newest}"), list(logs)
     # a payload FIFO: the step was chosen and its other files read; a marker FIFO: the step could not be chosen
     assert [r[2] for r in _read_ahead(logs)] == ([str(newest)] if name == "model.pt" else []), list(logs)
@@ -192,13 +203,13 @@ def test_a_linked_step_folder_is_not_read_through(tmp_path):
     """`--resume-from-checkpoint 8` where step-00000008 is a link to a checkpoint elsewhere: the load refuses it
     (layout.resolve), and the read-ahead reads nothing through it."""
     ck = tmp_path / "ck"
-    _run(_session(ck, every=4), None, 8)
+    _run(_session(ck, every=4), 8)
     run = ck / "default"
     elsewhere = tmp_path / "elsewhere"
     (run / "step-00000008").rename(elsewhere)
     (run / "step-00000008").symlink_to(elsewhere)
-    session = _session(ck, every=4)
-    ahead = session.read_ahead("8")
-    assert ahead.wait(timeout=30) and ahead.label == "" and ahead.bytes_read == 0
+    session = _session(ck, every=4, resume="8")
+    ahead = _prepared(session)
+    assert ahead.label == "" and ahead.bytes_read == 0
     with pytest.raises(CheckpointError, match="symbolic link"):
-        session.open("8", CheckpointState(model=Value(), dataloader=Value()))
+        session.load(CheckpointState(model=Value(), dataloader=Value()))

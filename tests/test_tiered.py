@@ -200,9 +200,9 @@ def test_two_ranks_of_one_node_read_ahead_their_leaders_pieces_and_resume_bitwis
     assert sorted(p.name for p in own.glob("*.pt")) == ["rank-00001.pt"], "rank 1 holds its own file only"
 
     session = Session(Settings(checkpoint_dir=str(ckpt), experiment="run", local_dir=str(local), local_every=2,
-                               when=When(every_steps=SHARED_EVERY, final_step=STEPS)), RankInfo(1, 2, 1),
-                      agree=lambda v: v)
-    ahead = session.read_ahead("latest")
+                               when=When(every_steps=SHARED_EVERY, final_step=STEPS), resume="latest"),
+                      RankInfo(1, 2, 1), agree=lambda v: v)
+    ahead = session.prepare().reading
     assert ahead.wait(timeout=60)
     shared = sorted(p for p in leaders.glob("*.pt") if p.name != "rank-00000.pt")
     assert shared and sorted(map(str, (p for p, _ in ahead.files))) == sorted(map(str, [own / "rank-00001.pt",
@@ -222,7 +222,7 @@ def test_a_kill_during_a_local_write_falls_back_to_the_previous_local_step(tmp_p
     restart takes the previous local step, and the run ends bitwise."""
     ckpt, local = tmp_path / "ckpt", tmp_path / "local"
     args = _args(corpus, ckpt, local)
-    proc = run_train(args, env={"PYRECOVER_FAULT": "after_write_before_fsync:15"})  # the 3rd local save's 1st files
+    proc = run_train(args, env={"PYRECOVER_FAULT": "after_write_before_fsync:16"})  # the 3rd local save's 1st files
     assert proc.returncode == -9, proc.stderr[-2000:]
     mine = _tier(local, ckpt) / "rank-00000"
     interrupted = [int(p.name[5:]) for p in mine.glob(".staging-*/step-*")]
