@@ -166,7 +166,7 @@ class Session:
         ``prepare``). ``agree(x)``: the maximum of ``x`` over all ranks (an all-reduce; identity for one
         process)."""
         s = settings
-        self.places = Places.of(s)  # where this run's steps live (places.py), each place refused here if it cannot work
+        self.places = Places.of(s)  # where this run's steps live (places/), each place refused here if it cannot work
         check_combination(s.backend, sharded=s.sharded, checkpoint_dir=s.checkpoint_dir, async_save=s.async_save,
                           jit=s.jit, local_tier=self.places.local is not None)
         self.settings, self.rank, self.agree, self.signals, self.started = s, rank, agree, signals, started

@@ -1,6 +1,6 @@
 """What a run's checkpointing is set to: where its steps go, which backend writes them, how many are kept, when a save
 or a stop comes. A front end (train.py) builds one from its own flags; every other module of the package reads it, so
-it sits apart from the Session that uses it (places.py needs it without the Session's world)."""
+it sits apart from the Session that uses it (places/ needs it without the Session's world)."""
 
 from __future__ import annotations
 
