@@ -483,7 +483,7 @@ def report(res: dict, out_dir: Path, command: str) -> str:
                   "÷ memcpy.", ""]
         lines += [_restart_row(k, rs[k], "load_over_memcpy") for k in (TIER, TIER_NO_READ_AHEAD)]
     lines += ["", "A restart reads, verifies and parses its checkpoint ahead while it sets up (imports, the model), "
-              "from the first line of its setup to the load (`Session.read_ahead`): the load then takes what was "
+              "from the first line of its setup to the load (`Session.prepare`): the load then takes what was "
               "verified, and its MiB/s above is the part of the load left to wait for, not the disk's; the "
               "`no read-ahead` rows are the load doing it all itself. Compare the recovery columns to see whether "
               "the restart as a whole got shorter."]

@@ -143,7 +143,7 @@ def test_ctrl_c_saves_at_the_next_step_and_resume_is_bitwise(tmp_path, corpus):
     assert csv_rows(run / "default" / "loss.csv") == stop
 
     resumed = run_train(flags + ["--checkpoint-dir", str(run), "--resume-from-checkpoint", "latest"], check=True)
-    # the restart read its checkpoint's files while it set up (Session.read_ahead); the load then verified them
+    # the restart read its checkpoint's files while it set up (Session.prepare); the load then verified them
     step_dir = run / "default" / f"step-{stop:08d}"
     mib = sum(rec["size"] for rec in json.loads((step_dir / "manifest.json").read_text())["files"].values()) / 2**20
     assert f"read ahead {mib:.1f} of {mib:.1f} MiB of {step_dir} while setting up" in resumed.stdout, resumed.stdout
