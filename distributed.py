@@ -58,7 +58,9 @@ def follow_launcher(parent: int, environ=os.environ) -> None:
     The agent starts its workers from its main thread, whose exit is what the kernel watches. ``parent``: the parent
     pid read at process start; if it is gone already, the rank ends now. Nothing to follow under srun (the parent is
     slurmstepd, which ends the tasks itself) or for one process started by hand."""
-    if "TORCHELASTIC_RUN_ID" not in environ or not sys.platform.startswith("linux"):
+    if "PYRECOVER_LAUNCHER_PID" in environ and sys.platform.startswith("linux"):  # launcher.py's members too
+        parent = int(environ["PYRECOVER_LAUNCHER_PID"])
+    elif "TORCHELASTIC_RUN_ID" not in environ or not sys.platform.startswith("linux"):
         return
     refused = die_with_parent(parent)
     if refused:
@@ -167,12 +169,18 @@ def resolve_dtype(name: str, device_type: str, bf16_ok: bool | None = None) -> s
     return "bf16" if bf16_ok else "fp32"  # e.g. V100: no bf16; fp16 would need loss scaling, fp32 is the safe choice
 
 
-def init(distributed: bool, timeout_s: float = 600.0, device: str = "auto") -> DistEnv:
+def init(distributed: bool, timeout_s: float = 600.0, device: str = "auto", member=None) -> DistEnv:
     """Initialise the process group when asked; pick the device (choose_device). Raises LaunchError with one clear
-    line."""
+    line. ``member`` (recovery.Member, under launcher.py): the group is its generation's (join); a spare has none
+    yet: a one-process view of the job until a plan gives it a rank."""
     cuda = choose_device(device) == "cuda"
     if not distributed:
         return DistEnv(device=torch.device("cuda", 0) if cuda else torch.device("cpu"))
+    if member is not None:
+        local = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        if member.plan is None:  # a spare: no rank, no group, until it takes one (join)
+            return DistEnv(device=local, launcher="pyrecover")
+        return join(member, timeout_s, cuda)
     launch = _launcher_env()
     if launch is None:
         raise LaunchError(
@@ -195,6 +203,46 @@ def init(distributed: bool, timeout_s: float = 600.0, device: str = "auto") -> D
         **({"device_id": device} if cuda else {}),
     )
     return DistEnv(rank, world_size, local_rank, device, backend, launcher)
+
+
+def join(member, timeout_s: float, cuda: bool) -> DistEnv:
+    """This member's process group in its plan's generation: built under the generation's own store prefix, so no key
+    of a dead group's is ever read. One node: the local rank is the rank (launcher.py starts every member here)."""
+    rank, world_size = member.plan.ranks[member.member], member.plan.world_size
+    if cuda:
+        torch.cuda.set_device(rank % max(torch.cuda.device_count(), 1))
+        device, backend = torch.device("cuda", torch.cuda.current_device()), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(member.prefix, member.store), rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
+                            **({"device_id": device} if cuda else {}))
+    return DistEnv(rank, world_size, rank, device, backend, "pyrecover")
+
+
+def release_wrapper(model: torch.nn.Module) -> None:
+    """Before a broken group is torn down: DDP's gradient hooks off the parameters, so the module trains on under the
+    next group's wrapper without the old one all-reducing into a dead group (the wrapper itself is then dropped)."""
+    reducer = getattr(model, "reducer", None)
+    if reducer is not None and hasattr(reducer, "_remove_autograd_hooks"):
+        reducer._remove_autograd_hooks()
+
+
+def abort(env: DistEnv) -> None:
+    """Tear this rank's process group down after a peer failed, without another collective: its connections close,
+    so a peer still blocked in a collective with it fails at once too. NCCL's communicators are aborted first (not
+    run here: no GPU in the tests)."""
+    if not (env.distributed and dist.is_initialized()):
+        return
+    if env.backend == "nccl":
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:  # torch versions differ; destroy below still frees the group
+            pass
+    try:
+        dist.destroy_process_group()
+    except Exception:  # a group that failed half-way: nothing left to free
+        pass
 
 
 def autocast(env: DistEnv, dtype_name: str):

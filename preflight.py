@@ -66,14 +66,21 @@ def preflight(args: argparse.Namespace, env: distributed.DistEnv, signals: Signa
         trackers.check(args)
         if warning := schedule_warning(args):  # on stdout with the run's other lines: stderr is for what stops it
             log.info(warning)
-    session = Session(checkpoint_settings(args, env), env, signals=signals, started=started,
-                      agree=lambda v: distributed.all_reduce_max(v, env))
-    preview = session.prepare()  # a restart's read overlaps the rest of the setup, until the load
+    session, preview = open_session(args, env, signals, started)
     tokenizer, windows, config, held_out = check_inputs(args, env, preview)
     val = validation_set(args, env, tokenizer, held_out)
     prepared = Prepared(tokenizer, windows, config, held_out, session, preview, val=val)
     prepared.init_weights = init_from_weights(args)
     return prepared
+
+
+def open_session(args: argparse.Namespace, env: distributed.DistEnv, signals: SignalWatcher | None,
+                 started: float) -> tuple[Session, Preview]:
+    """The run's checkpointing for these ranks, prepared: a restart's read overlaps the rest of the setup, until the
+    load (a recovered generation opens its own, on its new group)."""
+    session = Session(checkpoint_settings(args, env), env, signals=signals, started=started,
+                      agree=lambda v: distributed.all_reduce_max(v, env))
+    return session, session.prepare()
 
 
 def checkpoint_settings(args: argparse.Namespace, env: distributed.DistEnv) -> Settings:

@@ -92,7 +92,8 @@ from flags import (BadInput, apply_resume_flags, build_parser, check_numeric_fla
 from metrics import Metrics, device_peak_flops, started_at, val_csv_path
 from model import MemoryEstimate, ModelConfig, Transformer
 from preflight import (Prepared, check_everything, check_inputs, check_resume,  # noqa: F401 (check_inputs: tests)
-                       memory_estimate, preflight, source_positions)
+                       memory_estimate, open_session, preflight, source_positions)
+import recovery
 import schedules
 import trackers
 
@@ -592,42 +593,82 @@ def train(args: argparse.Namespace, signals, started: float) -> int:
     if args.deterministic:  # before any CUDA work: cuBLAS reads its workspace setting when its first handle is made
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    env = distributed.init(args.distributed, device=args.device)
+    # Under launcher.py each process is a member of the job: a rank of generation 0, or a spare that sets up and waits
+    member = recovery.Member() if args.distributed and recovery.enabled() else None
+    if member is not None and args.parallel == "fsdp":
+        raise BadInput("--parallel fsdp under launcher.py: in-process recovery rebuilds DDP ranks only (an FSDP shard "
+                       "is not rebuilt on a new group); use --parallel ddp, or torchrun / srun (a failure restarts)")
+    env = distributed.init(args.distributed, device=args.device, member=member)
     # --model-dtype auto -> bf16 or fp32 now, before anything reads it: the memory estimate, the card, the resume
     # comparison (a refused flag) and the evaluation's tolerance all see the dtype the run trains in
     args.model_dtype = distributed.resolve_dtype(args.model_dtype, env.device.type)
-    setup_logging(env.rank)
+    spare = member is not None and member.spare
+    setup_logging(1 if spare else env.rank)  # a waiting spare says nothing; rank 0 speaks for the job
     # Bad input is found on every rank before any collective; then the ranks agree, so none waits for another. Only
     # then does rank 0 take the run directory (a refusal after a --force-takeover would leave no run training).
     try:
         prepared = agreed(env, lambda: preflight(args, env, signals, started))
-        session = prepared.session
-        agreed(env, lambda: session.take(before_force=lambda: check_resume(args, prepared.preview)))
+        if not spare:
+            agreed(env, lambda: prepared.session.take(before_force=lambda: check_resume(args, prepared.preview)))
     except Refused:
         return EXIT_BAD_INPUT
-
     run = build_run(args, env, prepared)
-    try:
-        loaded = open_checkpoints(args, run, prepared)
-    except BadInput as e:  # every rank has the same flags and checkpoint: all refuse here, none waits in a collective
-        if env.is_main:
-            say(f"error: {e}")
-        return EXIT_BAD_INPUT
-    metrics = build_metrics(args, run, prepared, loaded)
-    card = card_maker(args, run, prepared, started)
-    if env.distributed and args.pg_timeout_seconds:
-        distributed.set_timeout(args.pg_timeout_seconds)
-    # From here on SIGTERM / --signal mean "save at the next step boundary and stop". --jit-checkpoint: a surviving
-    # rank saves the last completed step when a peer fails, with its card.
-    loop = session.start(reseed=lambda r: seed_everything(args.seed + r), ensure_logged=metrics.ensure_logged,
-                         describe=lambda step: card(step, metrics))
-    evaluator = build_evaluator(args, run, prepared, metrics, loop)
 
-    # --- the loop ----------------------------------------------------------------------------------------------------
-    run.model.train()
-    metrics.start(loaded.seconds)
-    t_loop = time.perf_counter()
+    # The generations: one process group each. A failure ends one (every survivor keeps its process, its imports,
+    # model and data); the next plan gives the dead ranks to spares, and all load the newest step they can reach.
+    failure = Failure("", time.time()) if spare else None  # a spare's first step: a plan that gives it a rank
+    while True:
+        if failure is not None:
+            joined = rejoin(args, run, prepared, member, failure, signals, started)
+            if isinstance(joined, int):  # the job ended, or no spare was left
+                return joined
+            run, prepared = joined
+        result = generation(args, run, prepared, started, t_start, failure if failure and failure.plan else None,
+                            recovering=member is not None)
+        if not isinstance(result, Failure):
+            return result
+        failure = result
+
+
+@dataclasses.dataclass
+class Failure:
+    """What ended a generation on this rank, and the parts of its recovery's time (the recovery line)."""
+
+    error: str  # the line: a peer's failure as this rank saw it (a collective's error), or this rank's own exception
+    #             ("": a spare, which saw nothing fail)
+    seen: float  # time.time() when this rank saw it
+    teardown_s: float = 0.0
+    agree_s: float = 0.0
+    plan: object = None  # recovery.Plan of the generation that follows (what failed, as the launcher saw it)
+
+
+def generation(args: argparse.Namespace, run: Run, prepared: Prepared, started: float, t_start: float,
+               recovered: Failure | None, recovering: bool) -> int | Failure:
+    """One process group's life: the load (or, after a recovery, the reload of the newest step every rank reaches),
+    the loop, the end. Returns the exit code, or, under launcher.py, the Failure that ended the group."""
+    env, session = run.env, prepared.session
+    metrics = loop = None
     try:
+        try:
+            loaded = open_checkpoints(args, run, prepared)
+        except BadInput as e:  # the same flags and checkpoint everywhere: all refuse here, none waits in a collective
+            if env.is_main:
+                say(f"error: {e}")
+            return EXIT_BAD_INPUT
+        metrics = build_metrics(args, run, prepared, loaded)
+        card = card_maker(args, run, prepared, started)
+        if env.distributed and args.pg_timeout_seconds:
+            distributed.set_timeout(args.pg_timeout_seconds)
+        # From here on SIGTERM / --signal mean "save at the next step boundary and stop". --jit-checkpoint: a surviving
+        # rank saves the last completed step when a peer fails, with its card.
+        loop = session.start(reseed=lambda r: seed_everything(args.seed + r), ensure_logged=metrics.ensure_logged,
+                             describe=lambda step: card(step, metrics))
+        evaluator = build_evaluator(args, run, prepared, metrics, loop)
+
+        # --- the loop ------------------------------------------------------------------------------------------------
+        run.model.train()
+        metrics.start(loaded.seconds)
+        t_loop = time.perf_counter()
         # resumed from a stop that interrupted an evaluation: that one first (a stop during it saves its step again)
         stopped = (evaluate_owed(run, loaded, evaluator)
                    and session.step_boundary(run.progress.step, save_card(card, evaluator, metrics, run.progress.step)))
@@ -638,6 +679,9 @@ def train(args: argparse.Namespace, signals, started: float) -> int:
             loop.end_step()
             metrics.step(run.progress.step, loss, lr, grad_norm, time.perf_counter() - t0, run.progress.tokens_seen,
                          run.progress.restarts)
+            if recovered is not None:  # the first step after a recovery: its line, once
+                recovery_line(env, recovered, loaded, time.perf_counter() - t0)
+                recovered = None
             if evaluator is not None and evaluator.due(run.progress.step):  # after the optimizer step, before a save
                 evaluator(run.progress.step)  # --eval-every: no RNG, no weight changes (evaluation.evaluate)
             if session.step_boundary(run.progress.step, save_card(card, evaluator, metrics, run.progress.step)):
@@ -646,11 +690,79 @@ def train(args: argparse.Namespace, signals, started: float) -> int:
         metrics.close()
         ending = session.close(run.progress.step, succeeded=same, run_seconds=time.perf_counter() - t_start)
     except Exception as e:
+        if isinstance(e, USER_ERRORS):
+            raise
+        if recovering:  # under launcher.py: this rank lives on into the next generation
+            return tear_down(run, session, metrics, e)
         # a peer failed: this healthy rank saved the last completed step (or another rank did) -> requeue
-        if isinstance(e, USER_ERRORS) or not loop.rescue(e):
+        if loop is None or not loop.rescue(e):
             raise
         return EXIT_REQUEUE
     return finish(args, run, ending, metrics, time.perf_counter() - t_loop)
+
+
+def tear_down(run: Run, session, metrics: Metrics | None, error: Exception) -> Failure:
+    """A peer died or this rank raised: end this generation here without another collective. The session drops its
+    saves in flight and releases the run folder; the loss rows so far are flushed (the next load drops those past its
+    step); the DDP wrapper lets go of the parameters before its process group goes, whose connections then close, so a
+    peer still blocked in a collective with this rank fails at once too."""
+    seen = time.time()
+    failure = Failure(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300], seen)
+    say(f"recovery (rank {run.env.rank}): {failure.error}; leaving this process group, keeping the process")
+    session.abandon()
+    if metrics is not None:
+        metrics.close()
+    distributed.release_wrapper(run.model)
+    run.model = unwrap_model(run.model)
+    distributed.abort(run.env)
+    failure.teardown_s = time.time() - seen
+    return failure
+
+
+def rejoin(args: argparse.Namespace, run: Run, prepared: Prepared, member, failure: Failure, signals,
+           started: float) -> tuple[Run, Prepared] | int:
+    """Into the next generation: wait for its plan (a survivor says it is alive; a spare waits for a rank), build its
+    process group, wrap the kept model again, open a session that resumes from `latest`. An int: the exit code (the
+    job ended while a spare waited, or no spare was left for a dead rank)."""
+    t0 = time.time()
+    plan = member.next_plan(failure.error) if failure.error else member.wait_for_rank()
+    if not failure.error:  # a spare saw nothing fail: its recovery starts with the plan that gives it a rank
+        failure.seen = t0 = time.time()
+    if plan.done is not None:
+        return int(plan.done)
+    if plan.abort is not None:  # the last committed step stands: a restart (requeue) resumes from it
+        if run.env.is_main:
+            say(f"error: {plan.abort}: no in-process recovery; the run resumes from its last checkpoint at the next "
+                "start")
+        return EXIT_REQUEUE
+    env = distributed.join(member, args.pg_timeout_seconds or 600.0, cuda=run.env.device.type == "cuda")
+    setup_logging(env.rank)
+    model = distributed.parallelize(unwrap_model(run.model), env, args.parallel)
+    run.optimizer.zero_grad(set_to_none=True)  # a step cut short left gradients behind
+    loader = TrainLoader(prepared.windows, args.batch_size, env.rank, env.world_size, args.seed)
+    run = dataclasses.replace(run, env=env, model=torch.compile(model) if args.compile else model, loader=loader)
+    args.resume_from_checkpoint = "latest"  # the newest step every rank can reach, verified as at a restart
+    session, preview = open_session(args, env, signals, started)
+    try:
+        agreed(env, lambda: session.take())
+    except Refused:
+        return EXIT_FAILED
+    failure.agree_s, failure.plan = time.time() - t0, plan
+    return run, dataclasses.replace(prepared, session=session, preview=preview)
+
+
+def recovery_line(env: distributed.DistEnv, failure: Failure, loaded: Loaded, first_step_s: float) -> None:
+    """Rank 0: what failed, the step resumed, where from, and the time of each part of the recovery."""
+    if not env.is_main:
+        return
+    plan = failure.plan
+    died = [f.get("at") for f in plan.failed if isinstance(f.get("at"), (int, float))]
+    detect = f"detect {max(0.0, failure.seen - min(died)):.2f}s, " if died else ""
+    total = time.time() - (min(died) if died else failure.seen)
+    log.info(f"recovery: {recovery.describe_failure(plan)} failed; generation {plan.generation} resumed step "
+             f"{loaded.step} from {loaded.source or 'the run folder'} in-process; {detect}tear down "
+             f"{failure.teardown_s:.2f}s, agree {failure.agree_s:.2f}s, load {loaded.seconds:.2f}s, first step "
+             f"{first_step_s:.2f}s; {total:.2f}s in all")
 
 
 def replicas_agree(args: argparse.Namespace, run: Run) -> bool:

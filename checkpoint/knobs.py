@@ -220,15 +220,22 @@ def install_crash_hook(model, rank: int, current_step) -> None:
     the step given, before backward and its all-reduce -- a peer failure for --jit-checkpoint to survive. ``model``: the unwrapped
     module; ``current_step()``: the last completed step."""
     spec = crash_at_step()
-    if spec is None or spec[1] != rank:
-        return
+    if spec is None or spec[1] != rank or getattr(model, "_pyrecover_crash_hook", False):
+        return  # one hook per module: a recovered rank loads again into the same module
+    model._pyrecover_crash_hook = True
     at_step, _, mode = spec
-    import signal
+    once = os.environ.get("PYRECOVER_CRASH_ONCE")  # a file: the crash happens once in the job, not again after the
+    import signal                                  # in-process recovery that replays the step (or in the spare)
     import time
 
     def hook(module, inputs, output):  # noqa: ARG001
         if not module.training or current_step() + 1 != at_step:  # eval forwards (evaluation.py) are not the step
             return
+        if once:
+            try:
+                os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return
         print(f"[crash] rank {rank}: {mode} after the forward pass of step {at_step}", flush=True)
         if mode == "raise":
             raise RuntimeError(f"injected crash of rank {rank} at step {at_step}")

@@ -84,6 +84,7 @@ class CheckpointManager:
         self.history: list[SaveRecord] = []
         self.load_seconds = 0.0
         self.loaded: layout.CheckpointInfo | None = None  # what load() restored (its manifest holds the card)
+        self.loaded_from = ""  # where load() took it from, in words ("" for the run folder itself)
 
     # --- save ----------------------------------------------------------------------------------------------------
     def save(self, step: int, state: CheckpointState, meta: dict | None = None, *, shared: bool = True,
@@ -370,7 +371,7 @@ class CheckpointManager:
 
     def _loaded(self, info: layout.CheckpointInfo, t0: float, source: str = "") -> None:
         self.load_seconds = time.perf_counter() - t0
-        self.loaded = info
+        self.loaded, self.loaded_from = info, source
         size = info.size_bytes
         _log.info(
             f"resumed from {info.path} (step {info.step}, {info.manifest['backend']} backend"

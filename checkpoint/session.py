@@ -112,6 +112,7 @@ class Loaded:
     seconds: float = 0.0
     history: list[SaveRecord] = field(default_factory=list)
     scheduled: bool = False  # ``step`` is one the save schedule saves (a stop's save of another step is not)
+    source: str = ""  # where the load took it from, in words ("the local tier", ...; "": the run folder)
 
 
 class Loop:
@@ -226,7 +227,8 @@ class Session:
                 raise
             if step is not None and model is not None:
                 knobs.swap_after_load(model)  # test-only: a wrong load that passes every checksum
-            loaded = Loaded(step, self.manager.loaded, self.manager.load_seconds, self.manager.history)
+            loaded = Loaded(step, self.manager.loaded, self.manager.load_seconds, self.manager.history,
+                            source=self.manager.loaded_from)
             check(loaded)
         except BaseException:
             self._release()
@@ -496,6 +498,16 @@ class Session:
             raise error
         _say(f"warning: {error}; training continues ({setting('on_save_error', 'continue')}), the next save retries")
         self._failed_at = step
+
+    def abandon(self) -> None:
+        """After this generation's process group failed (a peer died or raised), on every rank that lives: this
+        incarnation ends without another collective. Saves in flight are not waited for: one still running commits
+        nothing once the next generation holds the lease (fenced), and the next load sweeps its staging folder; rank 0
+        releases the lease, so the next generation takes the run folder at once. A later call of this object raises."""
+        self._phase = "abandon"
+        if self.manager is not None:
+            self.manager.in_flight.clear()
+        self._release()
 
     # --- the end -------------------------------------------------------------------------------------------------
     def close(self, step: int, *, succeeded: bool = True, run_seconds: float = 0.0) -> Ending:
