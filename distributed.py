@@ -214,10 +214,73 @@ def join(member, timeout_s: float, cuda: bool) -> DistEnv:
         device, backend = torch.device("cuda", torch.cuda.current_device()), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+    before = _sockets()
     dist.init_process_group(backend=backend, store=dist.PrefixStore(member.prefix, member.store), rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
                             **({"device_id": device} if cuda else {}))
+    _GROUP_SOCKETS[:] = sorted(_sockets() - before)  # gloo connects the full mesh as the group is made
     return DistEnv(rank, world_size, rank, device, backend, "pyrecover")
+
+
+#: the sockets of this process's current group (gloo's connections to its peers), made by join
+_GROUP_SOCKETS: list[str] = []
+
+
+def _sockets() -> set[str]:
+    """This process's sockets, as /proc names them ("socket:[inode]")."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            found.add(link)
+    return found
+
+
+def _close_group_sockets() -> None:
+    """Shut gloo's connections of the current group down. Destroying a gloo group does not close them while the
+    process lives (measured here: a peer blocked in a collective with a rank that raised and destroyed its group
+    waited until that rank's process ended), so a rank that raised would leave its peers blocked until the
+    collective's timeout. A shut-down connection fails the peer's collective at once."""
+    import socket
+
+    doomed = set(_GROUP_SOCKETS)
+    for fd in os.listdir("/proc/self/fd") if doomed else ():
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") not in doomed:
+                continue
+            sock = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        try:
+            sock.getpeername()  # gloo's listener has no peer: shut down, its accept() would abort the process
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # the listener, or a connection already closed
+            pass
+        finally:
+            sock.close()  # the duplicate only; gloo's own descriptor stays its to close
+    _GROUP_SOCKETS.clear()
+
+
+def from_peer(error: BaseException) -> bool:
+    """Whether ``error`` is a collective's failure (a peer died or left its group), not this rank's own: gloo's and
+    NCCL's errors, and a collective's timeout."""
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL", "Timed out"))
+
+
+def failure_line(error: BaseException) -> str:
+    """An error in one short line: a gloo error's source path and advice are cut ("Connection closed by peer
+    [127.0.0.1]:45448")."""
+    text = " ".join(str(error).split())
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
+    text = text.split(". This is typically", 1)[0]
+    return f"{type(error).__name__}: {text}"[:240]
 
 
 def release_wrapper(model: torch.nn.Module) -> None:
@@ -239,6 +302,8 @@ def abort(env: DistEnv) -> None:
             dist.distributed_c10d._abort_process_group()
         except Exception:  # torch versions differ; destroy below still frees the group
             pass
+    else:
+        _close_group_sockets()
     try:
         dist.destroy_process_group()
     except Exception:  # a group that failed half-way: nothing left to free

@@ -169,6 +169,7 @@ class Launcher:
             g, holders = self.plan.generation, self.plan.ranks
             while not any(self.rc(m) is not None or self.has(recovery.alive_key(g + 1, m)) for m in holders):
                 self.tick()
+            self.seen = time.time()  # when the failure (or the end) was first seen: the recovery line's detect
             hung = self.settle(g)
             rcs = {m: self.rc(m) for m in holders}  # one look: a member exiting from here on is the next failure
             ended = {m: rc for m, rc in rcs.items() if rc in ENDING_CODES}
@@ -223,7 +224,7 @@ class Launcher:
         how = self.failed_text(g, m)
         if how is None:
             how = f"hung: SIGKILL after {self.timeout:g}s" if hung else how_exited(rc)
-        return {"member": m, "rank": self.plan.ranks[m], "pid": self.members[m].pid, "how": how}
+        return {"member": m, "rank": self.plan.ranks[m], "pid": self.members[m].pid, "how": how, "at": self.seen}
 
     @staticmethod
     def describe(failure: dict, alive: bool) -> str:

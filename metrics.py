@@ -173,11 +173,12 @@ def device_peak_flops(device: torch.device, dtype: str) -> float | None:
 
 class Metrics:
     """Every rank keeps the row of the last completed step (a just-in-time save by a survivor needs it); rank 0 writes
-    the CSV and the progress. ``imports`` = (monotonic time the heavy imports began, ended), for the recovery line."""
+    the CSV and the progress. ``imports`` = (monotonic time the heavy imports began, ended), for the recovery line (None: a resume in the same
+    process, which train.py's in-process recovery line reports)."""
 
     def __init__(self, *, writer: bool, csv_path: Path | None, resumed_step: int | None = None, start_step: int = 0,
                  total_steps: int = 0, every: int = 1, tokens_per_step: int = 0, flops_per_token: float = 0.0,
-                 peak_flops: float | None = None, world_size: int = 1, imports: tuple[float, float] = (0.0, 0.0),
+                 peak_flops: float | None = None, world_size: int = 1, imports: tuple[float, float] | None = (0.0, 0.0),
                  profiler=None, trackers: list | None = None, tracker_dir: Path | None = None,
                  tracker_names: tuple[str, ...] = (), save_records=None, memory=None, val_csv_path: Path | None = None,
                  evaluations=None):
@@ -224,7 +225,7 @@ class Metrics:
         self.last_loss, self.last_lr = loss, lr
         self._interval.append(loss)
         self._row = {"step": step, "loss": repr(loss), "lr": repr(lr), "tokens_seen": tokens_seen, "restart": restarts}
-        if self.writer and self.resumed_step is not None and step == self.resumed_step + 1:
+        if self.writer and self.resumed_step is not None and step == self.resumed_step + 1 and self.imports:
             _log.info(self.recovery_line())  # what the restart cost (docs/checkpointing.md: restart cost)
         if self.csv:
             self.csv.row(**self._row, wall_time=f"{time.time():.3f}")

@@ -119,10 +119,12 @@ class Member:
     def spare(self) -> bool:
         return self.plan is None or self.member not in self.plan.ranks
 
-    def next_plan(self, why: str) -> Plan:
-        """A rank of this generation that saw it fail (``why``: its line): say so, then wait for the next plan."""
+    def next_plan(self, why: str | None) -> Plan:
+        """A rank of this generation that saw it fail: say what it raised (``why``; None: a peer failed, which the
+        launcher saw), then wait for the next plan."""
         nxt = self.generation + 1
-        self.store.set(failed_key(self.generation, self.member), why.encode())
+        if why is not None:
+            self.store.set(failed_key(self.generation, self.member), json.dumps(why).encode())
         self.store.set(alive_key(nxt, self.member), b"1")
         return self._take(wait_plan(self.store, nxt))
 

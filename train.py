@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import importlib
 import json
 import logging
@@ -445,7 +446,8 @@ def validate_loaded(args: argparse.Namespace, run: Run, info) -> None:
     log.info(f"validate-on-resume: step {info.step} OK, {line}")
 
 
-def build_metrics(args: argparse.Namespace, run: Run, prepared: Prepared, loaded: Loaded) -> Metrics:
+def build_metrics(args: argparse.Namespace, run: Run, prepared: Prepared, loaded: Loaded,
+                  in_process: bool = False) -> Metrics:
     # The loss CSV and profiler traces stay on local disk: next to the checkpoints, or ./logs/<experiment> for s3://.
     log_dir = prepared.preview.log_dir or Path("logs") / args.experiment_name
     resumed, tokenizer, has_val = loaded.step, prepared.tokenizer, prepared.val is not None
@@ -480,7 +482,7 @@ def build_metrics(args: argparse.Namespace, run: Run, prepared: Prepared, loaded
                    total_steps=args.training_steps, every=args.logging_frequency, tokens_per_step=run.tokens_per_step,
                    flops_per_token=model.flops_per_token(args.sequence_length),
                    peak_flops=device_peak_flops(env.device, args.model_dtype),
-                   world_size=env.world_size, imports=(_T_IMPORTS, _T_IMPORTED), profiler=profiler,
+                   world_size=env.world_size, imports=None if in_process else (_T_IMPORTS, _T_IMPORTED), profiler=profiler,
                    trackers=opened, tracker_dir=tracker_dir, tracker_names=tuple(names),
                    save_records=lambda: loaded.history, memory=run.memory, val_csv_path=val_csv,
                    evaluations=evaluations_between(args, has_val))
@@ -637,6 +639,7 @@ class Failure:
     error: str  # the line: a peer's failure as this rank saw it (a collective's error), or this rank's own exception
     #             ("": a spare, which saw nothing fail)
     seen: float  # time.time() when this rank saw it
+    own: bool = False  # this rank raised it (else a collective failed: a peer's failure)
     teardown_s: float = 0.0
     agree_s: float = 0.0
     plan: object = None  # recovery.Plan of the generation that follows (what failed, as the launcher saw it)
@@ -655,7 +658,7 @@ def generation(args: argparse.Namespace, run: Run, prepared: Prepared, started: 
             if env.is_main:
                 say(f"error: {e}")
             return EXIT_BAD_INPUT
-        metrics = build_metrics(args, run, prepared, loaded)
+        metrics = build_metrics(args, run, prepared, loaded, in_process=recovered is not None)
         card = card_maker(args, run, prepared, started)
         if env.distributed and args.pg_timeout_seconds:
             distributed.set_timeout(args.pg_timeout_seconds)
@@ -692,30 +695,32 @@ def generation(args: argparse.Namespace, run: Run, prepared: Prepared, started: 
     except Exception as e:
         if isinstance(e, USER_ERRORS):
             raise
-        if recovering:  # under launcher.py: this rank lives on into the next generation
-            return tear_down(run, session, metrics, e)
-        # a peer failed: this healthy rank saved the last completed step (or another rank did) -> requeue
-        if loop is None or not loop.rescue(e):
-            raise
-        return EXIT_REQUEUE
-    return finish(args, run, ending, metrics, time.perf_counter() - t_loop)
+        if not recovering:  # a peer failed: this healthy rank saved the last completed step (or another did): requeue
+            if loop is None or not loop.rescue(e):
+                raise
+            return EXIT_REQUEUE
+        failure = Failure(distributed.failure_line(e), time.time(), own=not distributed.from_peer(e))
+    else:
+        return finish(args, run, ending, metrics, time.perf_counter() - t_loop)
+    # under launcher.py this rank lives on into the next generation; torn down here, out of the except clause: the
+    # exception's frames hold the DDP wrapper, and through it the group, whose sockets must close now
+    return tear_down(run, session, metrics, failure)
 
 
-def tear_down(run: Run, session, metrics: Metrics | None, error: Exception) -> Failure:
+def tear_down(run: Run, session, metrics: Metrics | None, failure: Failure) -> Failure:
     """A peer died or this rank raised: end this generation here without another collective. The session drops its
     saves in flight and releases the run folder; the loss rows so far are flushed (the next load drops those past its
-    step); the DDP wrapper lets go of the parameters before its process group goes, whose connections then close, so a
-    peer still blocked in a collective with this rank fails at once too."""
-    seen = time.time()
-    failure = Failure(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300], seen)
+    step); the DDP wrapper lets go of the parameters and is freed before its process group is destroyed, so the
+    group's connections close and a peer still blocked in a collective with this rank fails at once too."""
     say(f"recovery (rank {run.env.rank}): {failure.error}; leaving this process group, keeping the process")
     session.abandon()
     if metrics is not None:
         metrics.close()
     distributed.release_wrapper(run.model)
     run.model = unwrap_model(run.model)
+    gc.collect()  # the wrapper's last references (cycles through its hooks) go before the group
     distributed.abort(run.env)
-    failure.teardown_s = time.time() - seen
+    failure.teardown_s = time.time() - failure.seen
     return failure
 
 
@@ -725,7 +730,7 @@ def rejoin(args: argparse.Namespace, run: Run, prepared: Prepared, member, failu
     process group, wrap the kept model again, open a session that resumes from `latest`. An int: the exit code (the
     job ended while a spare waited, or no spare was left for a dead rank)."""
     t0 = time.time()
-    plan = member.next_plan(failure.error) if failure.error else member.wait_for_rank()
+    plan = member.next_plan(failure.error if failure.own else None) if failure.error else member.wait_for_rank()
     if not failure.error:  # a spare saw nothing fail: its recovery starts with the plan that gives it a rank
         failure.seen = t0 = time.time()
     if plan.done is not None:

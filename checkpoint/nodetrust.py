@@ -83,22 +83,31 @@ def private_folder(path: str | os.PathLike, what: str) -> Path:
     made durable in its parent); the rule above checked on the way. Raises Untrusted."""
     path = _absolute(path, what)
     check_path(path, what)
-    missing = []
-    probe = path
-    while not os.path.lexists(probe):
-        missing.append(probe)
-        probe = probe.parent
-    for folder in reversed(missing):
-        try:
-            os.mkdir(folder, 0o700)
-        except FileExistsError:  # another rank of this run made it meanwhile -- or someone else: checked before use
-            _check_component(folder, os.lstat(folder), what)
-            continue
-        _fsync_dir(folder.parent)
-    try:  # opened without following a link, so the checks and the chmod are of this very folder
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        raise Untrusted(f"{what}: {path} exists and is not a folder; remove it or use another path") from None
+    for attempt in range(5):
+        missing = []
+        probe = path
+        while not os.path.lexists(probe):
+            missing.append(probe)
+            probe = probe.parent
+        for folder in reversed(missing):
+            try:
+                os.mkdir(folder, 0o700)
+            except FileExistsError:  # another rank of this run made it meanwhile -- or someone else: checked before use
+                _check_component(folder, os.lstat(folder), what)
+                continue
+            except FileNotFoundError:  # its parent went meanwhile (below): made again on the next round
+                break
+            _fsync_dir(folder.parent)
+        try:  # opened without following a link, so the checks and the chmod are of this very folder
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            break
+        except FileNotFoundError:
+            # another rank of the node removed the run's folder meanwhile (tier.clear at a fresh start removes it
+            # once empty): it is made again
+            if attempt == 4:
+                raise Untrusted(f"{what}: {path} keeps disappearing as it is made; is something removing it?") from None
+        except OSError:
+            raise Untrusted(f"{what}: {path} exists and is not a folder; remove it or use another path") from None
     try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid():

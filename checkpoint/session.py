@@ -218,7 +218,8 @@ class Session:
         wrapped = getattr(state.get("model"), "wrapped", None)  # a ModelState's module (a test may save another kind)
         model = unwrap_model(wrapped) if wrapped is not None else None
         if model is not None and "train_state" in state:  # test-only (knobs.py): a rank dies at a given step
-            knobs.install_crash_hook(model, self.rank.rank, lambda: state["train_state"].step)
+            progress = state["train_state"]  # not the state: the hook outlives it (and its model's wrapper)
+            knobs.install_crash_hook(model, self.rank.rank, lambda: progress.step)
         try:
             try:
                 step = self._restore(self.settings.resume, state)
@@ -508,6 +509,7 @@ class Session:
         if self.manager is not None:
             self.manager.in_flight.clear()
         self._release()
+        self.state = self.manager = self.policy = None  # the model's wrapper, and its group, are not held here
 
     # --- the end -------------------------------------------------------------------------------------------------
     def close(self, step: int, *, succeeded: bool = True, run_seconds: float = 0.0) -> Ending:
