@@ -267,7 +267,9 @@ def _close_group_sockets() -> None:
 def from_peer(error: BaseException) -> bool:
     """Whether ``error`` is a collective's failure (a peer died or left its group), not this rank's own: gloo's and
     NCCL's errors, and a collective's timeout."""
-    if isinstance(error, getattr(dist, "DistError", ())):
+    from checkpoint.errors import GroupDown
+
+    if isinstance(error, (GroupDown, getattr(dist, "DistError", ()))):
         return True
     text = str(error)
     return isinstance(error, RuntimeError) and any(

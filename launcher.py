@@ -170,6 +170,7 @@ class Launcher:
             while not any(self.rc(m) is not None or self.has(recovery.alive_key(g + 1, m)) for m in holders):
                 self.tick()
             self.seen = time.time()  # when the failure (or the end) was first seen: the recovery line's detect
+            self.store.set(recovery.down_key(g), b"1")  # a rank waiting on a dead one's part stops waiting
             hung = self.settle(g)
             rcs = {m: self.rc(m) for m in holders}  # one look: a member exiting from here on is the next failure
             ended = {m: rc for m, rc in rcs.items() if rc in ENDING_CODES}

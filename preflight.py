@@ -56,7 +56,7 @@ class Prepared:
 
 
 def preflight(args: argparse.Namespace, env: distributed.DistEnv, signals: SignalWatcher,
-              started: float) -> Prepared:
+              started: float, down=None) -> Prepared:
     """Everything that can be wrong with the user's input, checked on every rank before any collective or training
     time: the flags first (numbers, combinations, paths: instant), then the memory the configuration needs (as soon as
     the tokenizer gives the vocabulary), then the data (tokenizing may take minutes).
@@ -66,7 +66,7 @@ def preflight(args: argparse.Namespace, env: distributed.DistEnv, signals: Signa
         trackers.check(args)
         if warning := schedule_warning(args):  # on stdout with the run's other lines: stderr is for what stops it
             log.info(warning)
-    session, preview = open_session(args, env, signals, started)
+    session, preview = open_session(args, env, signals, started, down)
     tokenizer, windows, config, held_out = check_inputs(args, env, preview)
     val = validation_set(args, env, tokenizer, held_out)
     prepared = Prepared(tokenizer, windows, config, held_out, session, preview, val=val)
@@ -75,11 +75,11 @@ def preflight(args: argparse.Namespace, env: distributed.DistEnv, signals: Signa
 
 
 def open_session(args: argparse.Namespace, env: distributed.DistEnv, signals: SignalWatcher | None,
-                 started: float) -> tuple[Session, Preview]:
+                 started: float, down=None) -> tuple[Session, Preview]:
     """The run's checkpointing for these ranks, prepared: a restart's read overlaps the rest of the setup, until the
-    load (a recovered generation opens its own, on its new group)."""
+    load (a recovered generation opens its own, on its new group; ``down``: whether a peer of it failed)."""
     session = Session(checkpoint_settings(args, env), env, signals=signals, started=started,
-                      agree=lambda v: distributed.all_reduce_max(v, env))
+                      agree=lambda v: distributed.all_reduce_max(v, env), down=down)
     return session, session.prepare()
 
 

@@ -14,6 +14,7 @@ Keys in the launcher's store (values are JSON):
                         ended (spares exit), or {"abort": why}: no spare left (the ranks end; a restart resumes)
     alive/<g>/<member>  a member of g-1 (or a spare) is ready for g, with why it left g-1
     failed/<g>/<member> what failed in g, as the member saw it (an exception's line), for the recovery line
+    down/<g>            the launcher saw g fail (written at once): a save waiting on a dead rank's part stops
 Stdlib only at import: the launcher and a waiting spare import it before torch.
 """
 
@@ -47,6 +48,10 @@ def alive_key(g: int, member: int) -> str:
 
 def failed_key(g: int, member: int) -> str:
     return f"failed/{g}/{member}"
+
+
+def down_key(g: int) -> str:
+    return f"down/{g}"
 
 
 def pg_prefix(g: int) -> str:
@@ -118,6 +123,10 @@ class Member:
     @property
     def spare(self) -> bool:
         return self.plan is None or self.member not in self.plan.ranks
+
+    def down(self) -> bool:
+        """Whether the launcher saw this generation fail (a rank died or asked for the next one)."""
+        return self.store.check([down_key(self.generation)])
 
     def next_plan(self, why: str | None) -> Plan:
         """A rank of this generation that saw it fail: say what it raised (``why``; None: a peer failed, which the

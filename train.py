@@ -609,7 +609,7 @@ def train(args: argparse.Namespace, signals, started: float) -> int:
     # Bad input is found on every rank before any collective; then the ranks agree, so none waits for another. Only
     # then does rank 0 take the run directory (a refusal after a --force-takeover would leave no run training).
     try:
-        prepared = agreed(env, lambda: preflight(args, env, signals, started))
+        prepared = agreed(env, lambda: preflight(args, env, signals, started, member.down if member else None))
         if not spare:
             agreed(env, lambda: prepared.session.take(before_force=lambda: check_resume(args, prepared.preview)))
     except Refused:
@@ -747,7 +747,7 @@ def rejoin(args: argparse.Namespace, run: Run, prepared: Prepared, member, failu
     loader = TrainLoader(prepared.windows, args.batch_size, env.rank, env.world_size, args.seed)
     run = dataclasses.replace(run, env=env, model=torch.compile(model) if args.compile else model, loader=loader)
     args.resume_from_checkpoint = "latest"  # the newest step every rank can reach, verified as at a restart
-    session, preview = open_session(args, env, signals, started)
+    session, preview = open_session(args, env, signals, started, down=member.down)
     try:
         agreed(env, lambda: session.take())
     except Refused:

@@ -18,7 +18,7 @@ from typing import Callable
 from . import layout, route, storage
 from .backends import JIT_FORMAT, Backend, RankInfo, backend_class, loader_for
 from .backends.base import BackgroundTask
-from .errors import CheckpointError
+from .errors import CheckpointError, GroupDown
 from .fsio import MiB, is_disk_full
 from .lease import Fenced, Lease
 from .naming import setting
@@ -59,6 +59,7 @@ class CheckpointManager:
         retention: Retention = Retention(),
         commit_timeout_s: float = 1800.0,
         lease: Lease | None = None,
+        down: Callable[[], bool] | None = None,
         first: FirstPlace | None = None,
         copies: list[Mirror] = (),
     ):
@@ -71,6 +72,7 @@ class CheckpointManager:
         self.retention = retention
         self.commit_timeout_s = commit_timeout_s
         self.lease = lease  # one writer per run directory: None on object storage (no exclusive create there)
+        self._down = down  # () -> whether a peer of this group has failed (in-process recovery): checked with the lease
         # Where every save lands first: the run folder itself, or the node-local places (places/nodelocal.py), which
         # carry it on to the run folder; it asks the run folder's side of a save and a load of the committer alone
         # (places/first.py). ``copies``: where committed steps of the run folder are copied (rank 0: the mirror).
@@ -167,7 +169,10 @@ class CheckpointManager:
         return layout.staging_dir(self.root, self.run_id, 0).parent
 
     def _guard(self, what: str) -> None:
-        """Raise Fenced if a newer incarnation owns the run directory (checked before every change to it)."""
+        """Raise Fenced if a newer incarnation owns the run directory (checked before every change to it), GroupDown
+        if a peer of this process group failed (rank 0 waiting for a dead rank's part gives up at once)."""
+        if self._down is not None and self._down():
+            raise GroupDown(f"{what}: a peer of this process group failed")
         if self.lease is not None:
             self.lease.check(what)
 

@@ -162,7 +162,8 @@ class Ending:
 
 class Session:
     def __init__(self, settings: Settings, rank: RankInfo, *, agree: Callable[[float], float],
-                 signals: SignalWatcher | None = None, started: float | None = None):
+                 signals: SignalWatcher | None = None, started: float | None = None,
+                 down: Callable[[], bool] | None = None):
         """Refuse, in one line (CheckpointError), what cannot work with these settings (no file is touched: see
         ``prepare``). ``agree(x)``: the maximum of ``x`` over all ranks (an all-reduce; identity for one
         process)."""
@@ -171,6 +172,7 @@ class Session:
         check_combination(s.backend, sharded=s.sharded, checkpoint_dir=s.checkpoint_dir, async_save=s.async_save,
                           jit=s.jit, local_tier=self.places.local is not None)
         self.settings, self.rank, self.agree, self.signals, self.started = s, rank, agree, signals, started
+        self.down = down  # () -> whether a peer of this group failed (in-process recovery): a save stops waiting
         self.root = self.places.shared.root
         self.filesystem = storage.medium(self.root).filesystem  # the lease and local logs need one
         self.backend = make_backend(s.backend, rank, **s.backend_options)
@@ -439,7 +441,7 @@ class Session:
                          retention=retention if s.mirror_keep is None else replace(retention, keep=s.mirror_keep))
                   for place in self.places.copies] if main else []
         self.manager = CheckpointManager(self.root, self.backend, self.rank, run_id=run_id[0], retention=retention,
-                                         lease=self.lease, first=first, copies=copies)
+                                         lease=self.lease, down=self.down, first=first, copies=copies)
         self.state = state
         return self.manager.open(spec, state, ahead)
 

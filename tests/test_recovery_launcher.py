@@ -118,7 +118,10 @@ class Job:
         return rank, pid
 
     def plan(self, g: int) -> dict:
-        return json.loads(self.wait_key(f"plan/{g}"))
+        plan = json.loads(self.wait_key(f"plan/{g}"))
+        for failure in plan.get("failed", []):  # when the launcher saw it: a time, checked apart
+            assert isinstance(failure.pop("at"), float)
+        return plan
 
     def member_pids(self, count: int) -> dict[int, int]:
         for m in range(count):
