@@ -41,6 +41,13 @@ before it (wipe_node). Two configurations on the same kills and the same lost no
 no calibration and no Young/Daly interval, since the question is what a lost node costs at a given local interval,
 not which interval is best. Per configuration: goodput (t0 from a failure-free run of --t0-steps) and the steps
 redone per kill (node_loss_account); with the peer copy a restart should lose at most the local interval.
+
+Failure kinds (--failure; DIR/goodput-<kind>.{md,json}). job (the default): everything above, each kill the whole job.
+rank: each failure SIGKILLs ONE rank process, and two configurations run on the same failures: cold (torchrun: the job
+ends and is restarted, today's path) and in-process (launcher.py with spares: the survivors go on, a spare takes the
+rank); per configuration goodput, cost_per_failure_s and bitwise against a failure-free run
+(benchmarks/goodput_failures.py says how each is measured). mixed: each failure a rank or the whole job, drawn from the
+seed. node: refused: on one machine a node is the whole job (--failure job; its local storage lost too: --node-loss).
 """
 
 from __future__ import annotations
@@ -446,6 +453,16 @@ def machine() -> dict:
         commit = ""
     return {"cores": os.cpu_count(), "cpu": cpu, "torch": str(torch.__version__), "python": platform.python_version(),
             "commit": commit, "load_start": os.getloadavg()[0]}
+
+
+def uncommitted() -> str:
+    """The tracked files that differ from the commit the run reports (its code is the working tree's), or ''."""
+    try:
+        names = subprocess.run(["git", "diff", "--name-only", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                               timeout=10).stdout.split()
+    except OSError:
+        return ""
+    return f"uncommitted changes in {', '.join(names)}" if names else ""
 
 
 def render(res: dict) -> str:
@@ -915,8 +932,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=2,
                    help="train.py --batch-size of every run (default 2): a larger batch makes a longer step at the "
                         "same checkpoint size, as a GPU cluster's steps are long against what a save copies")
+    p.add_argument("--failure", choices=["rank", "node", "job", "mixed"], default="job",
+                   help="what each failure kills: job (default: the launcher and every rank, per --configs); rank = "
+                        "one rank process, cold (torchrun, restart) vs in-process (launcher.py, spares) on the same "
+                        "failures, DIR/goodput-rank.{md,json}; mixed = a rank or the job per failure, drawn from the "
+                        "seed; node: refused on one machine (a node is the job there)")
+    p.add_argument("--spares", type=int, default=None,
+                   help="--failure rank|mixed: launcher.py's spares in the in-process configuration (default: the "
+                        "rank failures the schedule plans within the cold run's wall time, at least 1)")
     p.add_argument("--quick", action="store_true", help="a short smoke run: few steps, MTBF 10 s")
     args = p.parse_args(argv)
+    if args.failure == "node":
+        p.error("--failure node: on one machine a node is the whole job, so a node lost is --failure job (with its "
+                "local storage gone: --node-loss); a node lost while other nodes' spares take its ranks needs more "
+                "than one node (tests/slurm)")
+    rank_failures = args.failure in ("rank", "mixed")
+    if rank_failures:
+        if (args.configs is not None or args.repeats != 1 or args.shared != "disk" or args.launcher != "torchrun"
+                or args.node_loss):
+            p.error(f"--failure {args.failure} runs its own two configurations (cold under torchrun, in-process "
+                    "under launcher.py) once on a shared tier on disk: leave out --configs, --repeats, --shared, "
+                    "--launcher and --node-loss")
+        if args.ranks < 2:
+            p.error(f"--failure {args.failure} needs --ranks of at least 2: a survivor to keep")
+        if args.spares is not None and args.spares < 0:
+            p.error("--spares must be 0 or more")
+        args.local_every, args.shared_every = args.local_every or 2, args.shared_every or 20
+        if args.local_every < 1 or args.shared_every % args.local_every:
+            p.error("--shared-every must be a multiple of --local-every (at least 1)")
+        args.mtbf = args.mtbf or (10.0 if args.quick else 40.0)
+        args.steps = args.steps or (30 if args.quick else 150)
+        if args.steps < 7:
+            p.error("--steps must be at least 7: the step time leaves out the first 5")
+    elif args.spares is not None:
+        p.error("--spares is for --failure rank|mixed")
     if args.batch_size < 1:
         p.error("--batch-size must be at least 1")
     TRAIN_ARGS[TRAIN_ARGS.index("--batch-size") + 1] = str(args.batch_size)
@@ -931,8 +980,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--shared-every must be a multiple of --local-every (at least 1)")
         args.mtbf = args.mtbf or (10.0 if args.quick else 20.0)
         args.steps = args.steps or (60 if args.quick else 200)
-    elif args.local_every is not None or args.shared_every is not None:
-        p.error("--local-every and --shared-every are for --node-loss")
+    elif not rank_failures and (args.local_every is not None or args.shared_every is not None):
+        p.error("--local-every and --shared-every are for --node-loss and --failure rank|mixed")
     args.configs = args.configs or parse_configs(",".join(DEFAULT_CONFIGS))
     if args.ranks < 1:
         p.error("--ranks must be at least 1")
@@ -978,7 +1027,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.shared == "s3":
             server_proc, sock = start_s3(workdir)
-        (run_node_loss if args.node_loss else run_all)(args, workdir, res)
+        if rank_failures:
+            from benchmarks import goodput_failures
+
+            res["machine"]["dirty"] = uncommitted()
+            goodput_failures.run_rank_failures(args, workdir, res)
+        else:
+            (run_node_loss if args.node_loss else run_all)(args, workdir, res)
     finally:
         if server_proc is not None:
             from tests.s3.conftest import _stop
@@ -993,6 +1048,16 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     res["machine"]["load_end"] = os.getloadavg()[0]
     res["duration_s"] = time.time() - t_begin
+    if rank_failures:
+        from benchmarks import goodput_failures
+
+        stem = f"goodput-{args.failure}"
+        as_list = res | {"configs": list(res["configs"].values())}
+        (out / f"{stem}.json").write_text(json.dumps(as_list, indent=1) + "\n")
+        (out / f"{stem}.md").write_text(goodput_failures.render(res))
+        log("\n" + goodput_failures.render(res).split("\n## Where")[0])
+        log(f"\nwrote {out / (stem + '.md')}, {out / (stem + '.json')}")
+        return 0 if all(c["outcome"] == "finished" and c["bitwise"] for c in res["configs"].values()) else 1
     ok = all(c["status"] == "ok" or c["status"].startswith("not supported") for c in res["configs"].values())
     if args.node_loss:
         as_list = res | {"configs": [{"name": n, **c} for n, c in res["configs"].items()]}
@@ -1181,4 +1246,8 @@ def run_all(args: argparse.Namespace, workdir: Path, res: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run as benchmarks.goodput, not __main__: the module state main sets (TRAIN_ARGS, LAUNCHER) is then the state the
+    # modules that import benchmarks.goodput (benchmarks/goodput_failures.py) see
+    from benchmarks.goodput import main as _main
+
+    sys.exit(_main())
