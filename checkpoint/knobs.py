@@ -193,6 +193,7 @@ def force_progress(environ: Mapping[str, str] | None = None) -> bool:
 # --- test-only: fault points ------------------------------------------------------------------------------------------
 # Read once, so that a fault point costs one comparison when PYRECOVER_FAULT is unset (it sits in the write loops).
 _FAULT = os.environ.get("PYRECOVER_FAULT", "")
+_FAULT_RANK = os.environ.get("PYRECOVER_FAULT_RANK", "")  # a rank started with RANK=r (a spare has none)
 _FAULT_POINT, _, _FAULT_REST = _FAULT.partition(":")
 _fault_hits: dict[str, int] = {}
 
@@ -201,6 +202,8 @@ def fault_point(name: str, where: object = "") -> None:
     """A named moment of the save path (``FAULT_POINTS``). Does nothing unless PYRECOVER_FAULT names it; then, on its
     n-th hit, SIGKILLs this process, or raises OSError(EIO) with ``:error``."""
     if not _FAULT or name != _FAULT_POINT:
+        return
+    if _FAULT_RANK and os.environ.get("RANK") != _FAULT_RANK:  # PYRECOVER_FAULT_RANK: one rank's process only
         return
     nth_str, _, action = _FAULT_REST.partition(":")
     nth = int(nth_str or 1)

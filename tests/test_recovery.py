@@ -75,6 +75,22 @@ def test_a_rank_killed_or_raising_in_a_step_recovers_in_process_and_ends_bitwise
     _assert_bitwise(ck / "default", reference)
 
 
+def test_a_rank_killed_inside_a_save_does_not_hold_rank_0_in_its_commit(tmp_path, corpus, reference):
+    """Rank 1 SIGKILLed in the save of step 8 (shared tier, no local tier), its file written but its part record
+    not: rank 0, waiting for that record (no collective), stops at once (the launcher marks the generation down)
+    instead of at its commit timeout; step 4 is resumed in process and the run ends bitwise."""
+    ck = tmp_path / "ck"
+    args = TINY + ["--dataset", corpus, "--checkpoint-dir", str(ck), "--training-steps", str(STEPS),
+                   "--checkpoint-frequency", "4", "--log-loss-to-csv"]
+    # rank 1's renames per save: its rank file, its part record; the 3rd is inside the save of step 8
+    out = _launch(args, env={"PYRECOVER_FAULT": "after_fsync_before_rename:3", "PYRECOVER_FAULT_RANK": "1"})
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-6000:]
+    assert "[fault] SIGKILL at after_fsync_before_rename" in text and "member 2 (spare) takes rank 1" in text, text
+    assert re.search(r"^recovery: .* resumed step 4 from .* in-process", text, re.M), text[-4000:]
+    _assert_bitwise(ck / "default", reference)
+
+
 def test_a_waiting_spare_killed_costs_one_line(tmp_path, corpus, reference):
     """The spare dies while it waits: the ranks are not disturbed and the run ends as an uninterrupted one."""
     ck, local = tmp_path / "ck", tmp_path / "local"
