@@ -238,7 +238,8 @@ def _writes_per_save(reference: Path) -> int:
 
 
 def _first_write_of_step4(reference: Path) -> int:
-    return 1 + _writes_per_save(reference) + 1  # the run's first write is config.resolved.json, then the step-2 save
+    # the run's first writes are config.resolved.json and places.json, then the step-2 save
+    return 2 + _writes_per_save(reference) + 1
 
 
 def test_save_error_continue_retries_at_next_interval(corpus, reference, tmp_path):

@@ -67,8 +67,9 @@ def test_train_kill_resume_latest_from_s3_is_bit_exact_with_retention(corpus, s3
     # retention on S3: the newest 2 committed checkpoints, nothing of the deleted ones, no probe/tmp objects; beside
     # them the run's resolved flags (--config), an object of the run directory like any other file of it
     steps = _steps_on_s3(s3_server, "train-kill/default")
-    assert sorted(steps) == ["config.resolved.json", "step-00000008", "step-00000012"], sorted(steps)
-    assert steps.pop("config.resolved.json") == {""}  # one object at the run's top level
+    assert sorted(steps) == ["config.resolved.json", "places.json", "step-00000008", "step-00000012"], sorted(steps)
+    for record in ("config.resolved.json", "places.json"):
+        assert steps.pop(record) == {""}  # one object at the run's top level
     for names in steps.values():
         assert {"COMMITTED", "manifest.json", ".metadata", "__0_0.distcp", "__1_0.distcp", "part-rank-00000.json",
                 "part-rank-00001.json", "rank-00000.pt", "rank-00001.pt", "train_state.pt"} <= names, names
