@@ -101,8 +101,8 @@ def schedule(seed: int, mtbf: float, failure: str, ranks: int, times: list[float
         when = ((t, None) for t in (times if times is not None else g.kill_schedule(seed, mtbf)))
     for i, (t, step) in enumerate(when):
         rng = random.Random(f"rank-failure {seed} {i}")
-        kind = "job" if failure == "mixed" and rng.random() < 0.5 else "rank"
-        yield Planned(t, kind, rng.randrange(ranks), step)
+        rank = rng.randrange(ranks)  # first: --failure rank and mixed draw the same ranks
+        yield Planned(t, "job" if failure == "mixed" and rng.random() < 0.5 else "rank", rank, step)
 
 
 # --- running a job ---------------------------------------------------------------------------------------------------
@@ -407,12 +407,15 @@ def bitwise(a: Path, b: Path) -> tuple[bool, str]:
     return proc.returncode == 0, (said[-1] if said else f"exit {proc.returncode}")[:300]
 
 
+LOSS_COLUMNS = ("step", "loss", "lr", "tokens_seen")  # the loss CSV's deterministic columns
+
+
 def loss_columns(path: Path) -> list[tuple]:
     import csv
 
     try:
         with open(path, newline="") as f:
-            return [(r["step"], r["loss"], r["lr"], r["tokens_seen"]) for r in csv.DictReader(f)]
+            return [tuple(r[k] for k in LOSS_COLUMNS) for r in csv.DictReader(f)]
     except FileNotFoundError:
         return []
 
@@ -435,7 +438,8 @@ def run_rank_failures(args: argparse.Namespace, workdir: Path, res: dict) -> Non
         raise SystemExit(f"the reference run {job.outcome}:\n{job.tail}")
     t0 = (rows[N] - rows[SKIP]) / (N - SKIP)
     ff_wall = job.wall
-    res.update(t0_s=t0, failure_free_wall_s=ff_wall, failure_free_goodput=t0 * N / ff_wall)
+    res.update(t0_s=t0, failure_free_wall_s=ff_wall, failure_free_goodput=t0 * N / ff_wall,
+               failure_free_startup_s=rows[1] - job.origin if 1 in rows else None)
     log(f"  wall {ff_wall:.1f} s, t0 {t0:.3f} s/step")
 
     limit = 6 * ff_wall + 120
@@ -456,8 +460,14 @@ def run_rank_failures(args: argparse.Namespace, workdir: Path, res: dict) -> Non
             r = account(name, job, N, t0, ff_wall)
             if job.outcome == "finished":
                 r["bitwise"], r["bitwise_said"] = bitwise(final_step(folder, N), final_step(ref, N))
-                r["loss_rows_equal"] = (loss_columns(folder / "run" / "loss.csv")
-                                        == loss_columns(ref / "run" / "loss.csv"))
+                mine, theirs = loss_columns(folder / "run" / "loss.csv"), loss_columns(ref / "run" / "loss.csv")
+                r["loss_rows_equal"] = mine == theirs
+                if not r["loss_rows_equal"]:  # the first row that differs, and in which columns
+                    r["loss_rows_diff"] = next(
+                        ({"step": b[0], "columns": [k for k, x, y in zip(LOSS_COLUMNS, a, b) if x != y],
+                          "reference": dict(zip(LOSS_COLUMNS, a)), "run": dict(zip(LOSS_COLUMNS, b))}
+                         for a, b in zip(theirs, mine) if a != b),
+                        {"step": None, "columns": ["rows"], "reference": len(theirs), "run": len(mine)})
             else:
                 r["bitwise"], r["bitwise_said"], r["loss_rows_equal"], r["tail"] = False, job.outcome, False, job.tail
                 log(f"  {job.outcome}:\n{job.tail}")
@@ -546,6 +556,21 @@ def render(res: dict) -> str:
         left = {n: f(1 - c["cost_per_failure_s"] / a["mtbf"], 3) for n, c in (("cold", cold), ("in-process", inproc))}
         lines += ["", f"Long-job view at MTBF {a['mtbf']:g} s (start-up and final save → 0): the failures leave "
                   f"1 − cost / MTBF of the time to training: cold {left['cold']}, in-process {left['in-process']}."]
+    for name, c in res["configs"].items():
+        d = c.get("loss_rows_diff")
+        if d:
+            lines += ["", f"{name}: the loss rows differ from the reference's first at step {d['step']}, in "
+                      f"{', '.join(d['columns'])}: reference {d['reference']}, this run {d['run']}."]
+    first = {n: c["starts_detail"][0]["first_step"] for n, c in res["configs"].items() if c.get("starts_detail")}
+    if first:
+        k = (inproc or {}).get("spares")
+        lines += ["", "Start-up, launch to the first step done: "
+                  + ", ".join([*([f"failure-free reference {f(res['failure_free_startup_s'], 1)} s"]
+                                 if res.get("failure_free_startup_s") is not None else []),
+                               *(f"{n} {f(x, 1)} s" for n, x in first.items())])
+                  + (f" (in-process: the ranks and the {k} spares set up at once on {m['cores']} cores; the "
+                     "difference counts in (wall − failure-free) / failures, not in the cost per failure)."
+                     if k else ".")]
     # the breakdowns
     lines += ["", "## Where a failure's time goes", ""]
     if inproc:

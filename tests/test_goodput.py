@@ -107,3 +107,84 @@ def test_node_loss_counts_each_kills_redone_steps_from_where_the_next_restart_re
     r = node_loss_account(job, 40, 0.5)
     assert r["lost_steps"] == [1, 11, 0, 0] and r["kills"] == 4 and r["lost_steps_max"] == 11
     assert r["goodput"] == 0.2 and r["peer_copy_served"] == 1 and r["peer_copy_lost"] == 1, r
+
+
+def test_rank_failures_find_the_process_holding_a_rank_from_the_launchers_lines():
+    """benchmarks.goodput_failures.launcher_holders (--failure rank, in-process): the start lines give each member's
+    pid and rank, and each generation's line the spares that took ranks; a spare that died while waiting changes
+    nothing."""
+    from benchmarks.goodput_failures import launcher_holders
+
+    lines = ["launcher: store 127.0.0.1:4000; 2 ranks, 2 spares: python train.py",
+             "launcher: member 0 pid 100 rank 0", "launcher: member 1 pid 101 rank 1",
+             "launcher: member 2 pid 102 spare", "launcher: member 3 pid 103 spare",
+             "launcher: generation 1: rank 1 (member 1, pid 101) died (SIGKILL); member 2 (spare) takes rank 1; "
+             "1 spares left",
+             "launcher: spare member 3 (pid 103) died (SIGKILL) while waiting; 0 spares left"]
+    assert launcher_holders(lines) == ({0: 0, 1: 2}, {0: 100, 1: 101, 2: 102, 3: 103})
+    lines.append("launcher: generation 2: rank 0 (member 0, pid 100) died (SIGKILL); member 3 (spare) takes rank 0; "
+                 "0 spares left")
+    assert launcher_holders(lines)[0] == {0: 3, 1: 2}
+
+
+def test_rank_failures_cost_the_time_until_the_next_new_step_less_one_step():
+    """benchmarks.goodput_failures.failure_costs: a failure at newest step s (done at w_s) costs the first time step
+    s + 1 is done after it, less w_s and one step; two failures before that step share the window; a failure after
+    the last step has no such step (None). Rows are every (step, time) seen, redone steps included."""
+    from benchmarks.goodput_failures import Kill, failure_costs
+
+    origin, t = 1000.0, 1.0
+    rows = {(s, origin + s) for s in range(1, 11)}  # steps 1..10 at 1 s each, then a kill at 10.5 (step 10 done)
+    rows |= {(s, origin + 20 + s - 8) for s in range(9, 13)}  # resumed from 8: step 9 again at 21, 11 first at 23
+    rows |= {(s, origin + 40 + s - 14) for s in range(15, 31)}  # after two kills at step 14 (30.2 and 33.0)
+    rows |= {(s, origin + s + 11) for s in range(13, 15)}  # steps 13, 14 at 24, 25
+    kills = [Kill(10.5, "rank", 1, 11, 1, 0, 10, 10.0), Kill(30.2, "rank", 0, 12, 0, 0, 14, 25.0),
+             Kill(33.0, "rank", 1, 13, 2, 0, 14, 25.0), Kill(60.0, "job", 0, None, None, 0, 30, 56.0)]
+    costs = failure_costs(kills, rows, origin, t, steps=30)
+    assert [c["cost_s"] for c in costs] == [23 - 10 - t, (41 - 25 - t) / 2, (41 - 25 - t) / 2, None], costs
+    assert [c["shared_with"] for c in costs] == [0, 1, 1, 0]
+
+
+def test_rank_failures_meet_the_same_ranks_and_kinds_in_every_configuration():
+    """benchmarks.goodput_failures.schedule: the seeded times of the job-kill schedule, each with its rank (and with
+    --failure mixed its kind) drawn from the seed, so cold and in-process meet the same failures."""
+    import itertools
+
+    from benchmarks.goodput import kill_schedule
+    from benchmarks.goodput_failures import schedule
+
+    def first(failure, n=40):
+        return list(itertools.islice(schedule(0, 40.0, failure, 2), n))
+
+    rank, mixed = first("rank"), first("mixed")
+    assert rank == first("rank") and [p.at for p in rank] == list(itertools.islice(kill_schedule(0, 40.0), 40))
+    assert {p.kind for p in rank} == {"rank"} and {p.rank for p in rank} == {0, 1}
+    assert {p.kind for p in mixed} == {"rank", "job"} and [p.rank for p in mixed] == [p.rank for p in rank]
+    assert [p.step for p in schedule(0, 40.0, "rank", 2, steps=[9, 12])] == [9, 12]
+
+
+def test_rank_failures_read_the_in_process_recovery_line():
+    """The parts of train.py's in-process recovery line (recovery_line) and of a restart's (metrics.recovery_line)."""
+    from benchmarks.goodput_failures import parse_inprocess, parse_restart
+
+    line = ("recovery: rank 1 (member 1, pid 4242, SIGKILL) failed; generation 1 resumed step 8 from the node-local "
+            "tier in-process; detect 0.03s, tear down 0.26s, agree 0.32s, load 0.48s, first step 1.09s; 2.31s in all")
+    got = parse_inprocess(line)
+    assert got["resumed_step"] == 8 and got["generation"] == 1 and "pid 4242," in got["what"], got
+    assert [got[k] for k in ("detect", "teardown", "agree", "load", "first_step", "total")] == [
+        0.03, 0.26, 0.32, 0.48, 1.09, 2.31]
+    restart = parse_restart("recovery: first step after resume 10.50s after process start (python start-up 0.47s, "
+                            "imports 3.49s, setup 4.66s, checkpoint load 0.09s, first step 1.79s)")
+    assert restart == {"total": 10.5, "python start-up": 0.47, "imports": 3.49, "setup": 4.66, "checkpoint load": 0.09,
+                       "first step": 1.79}
+
+
+def test_rank_failures_refuse_a_node_in_one_line(capsys):
+    """--failure node on one machine: one line saying why (a node is the whole job here), exit 2."""
+    from benchmarks.goodput import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--failure", "node"])
+    assert e.value.code == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--failure node: on one machine a node is the whole job" in said, said
