@@ -745,7 +745,9 @@ def rejoin(args: argparse.Namespace, run: Run, prepared: Prepared, member, failu
     model = distributed.parallelize(unwrap_model(run.model), env, args.parallel)
     run.optimizer.zero_grad(set_to_none=True)  # a step cut short left gradients behind
     loader = TrainLoader(prepared.windows, args.batch_size, env.rank, env.world_size, args.seed)
-    run = dataclasses.replace(run, env=env, model=torch.compile(model) if args.compile else model, loader=loader)
+    run = dataclasses.replace(run, env=env, model=torch.compile(model) if args.compile else model, loader=loader,
+                              tokens_per_step=args.batch_size * args.gradient_accumulation_steps * args.sequence_length
+                              * env.world_size)  # a spare was built as one process
     args.resume_from_checkpoint = "latest"  # the newest step every rank can reach, verified as at a restart
     session, preview = open_session(args, env, signals, started, down=member.down)
     try:

@@ -50,10 +50,12 @@ def _assert_bitwise(run: Path, reference: Path) -> None:
     assert loss_rows(run / "loss.csv") == loss_rows(reference / "loss.csv")
 
 
-@pytest.mark.parametrize("mode", ["kill", "raise"])
-def test_a_rank_killed_or_raising_in_a_step_recovers_in_process_and_ends_bitwise(tmp_path, corpus, reference, mode):
+@pytest.mark.parametrize("mode,rank", [("kill", 1), ("raise", 1), ("kill", 0)])
+def test_a_rank_killed_or_raising_in_a_step_recovers_in_process_and_ends_bitwise(tmp_path, corpus, reference, mode,
+                                                                                   rank):
+    """Rank 0 killed: the spare becomes rank 0 (the lease, the loss CSV, the shared state's counters are its)."""
     ck, local = tmp_path / "ck", tmp_path / "local"
-    out = _launch(_args(corpus, ck, local), env={"PYRECOVER_CRASH_AT_STEP": f"7:1:{mode}",
+    out = _launch(_args(corpus, ck, local), env={"PYRECOVER_CRASH_AT_STEP": f"7:{rank}:{mode}",
                                                   "PYRECOVER_CRASH_ONCE": str(tmp_path / "crashed")})
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-6000:]
@@ -62,7 +64,8 @@ def test_a_rank_killed_or_raising_in_a_step_recovers_in_process_and_ends_bitwise
     # one recovery, in process: the spare takes rank 1 if it died; a rank that raised keeps its rank
     line = re.search(r"launcher: generation 1: (.*)", text).group(1)
     if mode == "kill":
-        assert "rank 1 (member 1" in line and "died (SIGKILL)" in line and "member 2 (spare) takes rank 1" in line, line
+        assert f"rank {rank} (member {rank}" in line and "died (SIGKILL)" in line, line
+        assert f"member 2 (spare) takes rank {rank}" in line, line
     else:
         assert "failed (RuntimeError: injected crash of rank 1 at step 7)" in line and "takes" not in line, line
     recovered = re.search(r"^recovery: (.*) failed; generation 1 resumed step (\d+) from (.*) in-process; (.*)$", text,
@@ -73,6 +76,7 @@ def test_a_rank_killed_or_raising_in_a_step_recovers_in_process_and_ends_bitwise
     assert len(re.findall(r"launcher: member \d+ pid", text)) == 3
     assert "generation 2" not in text
     _assert_bitwise(ck / "default", reference)
+    assert [r[3] for r in loss_rows(ck / "default" / "loss.csv")] == [str(256 * s) for s in range(1, STEPS + 1)]
 
 
 def test_a_rank_killed_inside_a_save_does_not_hold_rank_0_in_its_commit(tmp_path, corpus, reference):
