@@ -51,8 +51,9 @@ from pathlib import Path
 from typing import Iterator
 
 from tests.faults.harness import Run, _attempt_pids, _ATTEMPT_VAR
+from tests.helpers import env_for_tests
 
-from benchmarks import goodput as g
+from benchmarks import goodput_common as g  # the harness's shared pieces (goodput.py imports this module)
 
 SKIP = 5  # t0 leaves out the first steps (a start's first saves pay one-off costs)
 START = re.compile(r"launcher: member (\d+) pid (\d+) (?:rank (\d+)|spare)")
@@ -402,7 +403,7 @@ def bitwise(a: Path, b: Path) -> tuple[bool, str]:
         return False, f"no final checkpoint: {a if not a.is_dir() else b}"
     proc = subprocess.run([g.PY, str(g.ROOT / "tests" / "check_weights_equality.py"), str(a), str(b), "--tolerance",
                            "0", "--optimizer"], capture_output=True, text=True, timeout=300, cwd=g.ROOT,
-                          env=g.env_for_tests())
+                          env=env_for_tests())
     said = (proc.stdout + proc.stderr).strip().splitlines()
     return proc.returncode == 0, (said[-1] if said else f"exit {proc.returncode}")[:300]
 
