@@ -1,12 +1,15 @@
 """Smoke test of the goodput benchmark harness (benchmarks/goodput.py, `make goodput`): it runs end to end and writes
 its report. It measures nothing: one configuration (the node-local tier, whose flags the harness sets apart, with a
-warm standby), the ranks started as srun starts them (benchmarks/launch.py), a few steps, one kill at step 12 of 20
+warm standby), the ranks started as srun starts them (benchmarks/launch.py), a few steps, one kill at step 12 of 16
 (at a step, so the machine's speed cannot let the run finish before it; past the first save at any interval a quick
 calibration gives, which on a cold machine has come out at 6); the restart is served by the standby (no imports) and
 resumes from the local tier in /dev/shm, which the harness removes. One round: the rounds of --repeats (a failure-free
 run before, between and after them, the median round with the spread) are the harness's bookkeeping around the same
 runs, proved on made-up runs in tests/unit/test_goodput_rounds.py. The calibration measures the save cost inside its
-own run (saves in every other stretch of steps); with --delta-from blocked the interval stays below the kill's step."""
+own run (saves in every other stretch of steps); with --delta-from blocked the interval stays below the kill's step.
+Shorter than --quick's own sizes (the `small` model's steps are most of this test's time): a save every step in the
+calibration, so its stretches are 2 steps and it and the failure-free base run take 10 steps (--quick: 26), and a
+kill run of 16 steps (--quick: 20); the kill at 12 still leaves the restart steps to train."""
 
 from __future__ import annotations
 
@@ -19,10 +22,13 @@ import pytest
 from helpers import PY, ROOT, env_for_tests
 
 
+STEPS, CALIB_EVERY = 16, 1  # the kill run's steps; the calibration's save interval (stretches of 2 x that)
+
+
 @pytest.mark.benchmark_smoke
 def test_goodput_harness_smoke(corpus, tmp_path):
     proc = subprocess.run([PY, "-m", "benchmarks.goodput", "--quick", "--configs", "tiered-warm", "--kill-steps", "12",
-                           "--launcher", "direct",
+                           "--steps", str(STEPS), "--calib-every", str(CALIB_EVERY), "--launcher", "direct",
                            "--delta-from", "blocked",  # the interval stays short of the kill at step 12
                            "--dataset", corpus, "--out", str(tmp_path)],
                           cwd=ROOT, env=env_for_tests(), capture_output=True, text=True, timeout=900)
@@ -37,16 +43,18 @@ def test_goodput_harness_smoke(corpus, tmp_path):
     row = next(line for line in (tmp_path / "goodput.md").read_text().splitlines() if line.startswith("| tiered-warm |"))
     # The figure is t0 x steps / wall, t0 from failure-free runs beside the kill run: on a loaded test machine (other
     # workers' ranks) the two can see different loads, so only its arithmetic is checked here, not a range
-    assert run["goodput"] == 20 * report["t0_s"] / run["wall_s"] and run["goodput"] > 0, (run, report["t0_s"])
+    assert run["goodput"] == STEPS * report["t0_s"] / run["wall_s"] and run["goodput"] > 0, (run, report["t0_s"])
     assert row.split("|")[3].strip() == f"**{run['goodput']:.3f}**", row
     assert run["kills"] == 1, run
     first, restart = tiered["incarnations"]
     assert first["killed"] and first["reached"] >= 12, first
     assert first["resumed_from"] == 0, first  # the kill run never finds the calibration's checkpoint
     assert restart["resumed_from"] > 0 and "imports 0.00s" in restart["recovery_line"], restart
-    assert not restart["killed"] and restart["reached"] == 20, restart
-    cal = tiered["calibration"]  # measured inside the run (--quick: 2 pairs of stretches of 6 steps, pair 1 counts)
-    assert cal["stretch"] == 6 and len(cal["save_cost_pairs"]) == 1 and cal["save_cost_s"] >= cal["blocked_s"], cal
+    assert not restart["killed"] and restart["reached"] == STEPS, restart
+    cal = tiered["calibration"]  # measured inside the run (--quick: 2 pairs of stretches of 2 x CALIB_EVERY steps,
+    # pair 1 counts)
+    assert cal["stretch"] == 2 * CALIB_EVERY and cal["steps"] == 10 and report["base"]["steps"] == 10, (cal, report)
+    assert len(cal["save_cost_pairs"]) == 1 and cal["save_cost_s"] >= cal["blocked_s"], cal
     assert not list(Path("/dev/shm").glob("pyrecover-goodput-*")), "a local tier was left behind"
 
 
