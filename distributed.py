@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from checkpoint import slurm
 from checkpoint.backends.base import RankInfo
+from checkpoint.sockets import open_sockets, shut_down
 from checkpoint.state import unwrap_model  # noqa: F401 - the module under parallelize's wrappers (DDP, compile)
 from procs import die_with_parent  # stdlib only
 from devices import DEVICES, DTYPE_NAMES  # noqa: F401 - DEVICES re-exported; the names, stdlib only
@@ -214,54 +215,24 @@ def join(member, timeout_s: float, cuda: bool) -> DistEnv:
         device, backend = torch.device("cuda", torch.cuda.current_device()), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    before = _sockets()
+    if not member.gather():
+        from checkpoint.errors import GroupDown
+
+        raise GroupDown(f"generation {member.generation} failed before its group was built")
+    before = open_sockets()
     dist.init_process_group(backend=backend, store=dist.PrefixStore(member.prefix, member.store), rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
                             **({"device_id": device} if cuda else {}))
-    _GROUP_SOCKETS[:] = sorted(_sockets() - before)  # gloo connects the full mesh as the group is made
+    _GROUP_SOCKETS.clear()
+    _GROUP_SOCKETS.update(open_sockets() - before)  # gloo connects the full mesh as the group is made
+    from checkpoint import knobs
+
+    knobs.crash_in_recovery(member.plan.generation, rank)  # test-only: a second failure, during this recovery
     return DistEnv(rank, world_size, rank, device, backend, "pyrecover")
 
 
 #: the sockets of this process's current group (gloo's connections to its peers), made by join
-_GROUP_SOCKETS: list[str] = []
-
-
-def _sockets() -> set[str]:
-    """This process's sockets, as /proc names them ("socket:[inode]")."""
-    found = set()
-    for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:"):
-            found.add(link)
-    return found
-
-
-def _close_group_sockets() -> None:
-    """Shut gloo's connections of the current group down. Destroying a gloo group does not close them while the
-    process lives (measured here: a peer blocked in a collective with a rank that raised and destroyed its group
-    waited until that rank's process ended), so a rank that raised would leave its peers blocked until the
-    collective's timeout. A shut-down connection fails the peer's collective at once."""
-    import socket
-
-    doomed = set(_GROUP_SOCKETS)
-    for fd in os.listdir("/proc/self/fd") if doomed else ():
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}") not in doomed:
-                continue
-            sock = socket.socket(fileno=os.dup(int(fd)))
-        except OSError:
-            continue
-        try:
-            sock.getpeername()  # gloo's listener has no peer: shut down, its accept() would abort the process
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:  # the listener, or a connection already closed
-            pass
-        finally:
-            sock.close()  # the duplicate only; gloo's own descriptor stays its to close
-    _GROUP_SOCKETS.clear()
+_GROUP_SOCKETS: set[str] = set()
 
 
 def from_peer(error: BaseException) -> bool:
@@ -304,8 +275,9 @@ def abort(env: DistEnv) -> None:
             dist.distributed_c10d._abort_process_group()
         except Exception:  # torch versions differ; destroy below still frees the group
             pass
-    else:
-        _close_group_sockets()
+    else:  # destroying a gloo group leaves its connections open while the process lives (checkpoint/sockets.py)
+        shut_down(_GROUP_SOCKETS)
+        _GROUP_SOCKETS.clear()
     try:
         dist.destroy_process_group()
     except Exception:  # a group that failed half-way: nothing left to free

@@ -9,7 +9,9 @@ hosts the members' store, starts N ranks and K spares of SCRIPT, and watches gen
 - a rank that dies (a signal, any other exit code) or asks for g+1 (its alive key: it raised, or saw a peer fail) is a
   failure: once every rank has died or asked (those that did neither within --recovery-timeout are SIGKILLed as
   hung), plan g+1 keeps each survivor in its rank and process and gives each dead rank to a waiting spare, lowest
-  member first; with too few spares it says abort, and the ranks end as a restart expects.
+  member first; with too few spares it says abort, and the ranks end as a restart expects;
+- a generation after a recovery that fails before its first step (recovery.py's stepped key) did not get anywhere:
+  after MAX_STALLED such generations in a row (a failure that repeats, e.g. a bug at the load) the plan says abort.
 Exit code: the last generation's ranks' (the largest where they differ; one that died counts as 1). Bad usage: one
 line, exit 2. SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 are forwarded to every living member; the members run in sessions
 of their own, so a terminal's Ctrl-C reaches them once, through here.
@@ -36,6 +38,9 @@ ENDING_CODES = frozenset({0, 2, 3, 4, 5, 6})
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 POLL_S = 0.005
 SPARE_GRACE_S = 5.0  # how long spares get to leave after the last plan before they are killed
+#: recovered generations in a row that failed before their first step, after which the launcher stops recovering (a
+#: kill during a recovery costs one; an error that every new generation meets again would loop forever)
+MAX_STALLED = 3
 
 
 def log(line: str) -> None:
@@ -102,6 +107,7 @@ class Launcher:
         self.store.set(recovery.plan_key(0), self.plan.encode())
         self.members: list[subprocess.Popen] = []
         self.spare_members = list(range(self.nproc, self.nproc + self.spares))  # waiting, lowest first
+        self.stalled = 0  # recovered generations in a row that failed before their first step
 
     # -- processes -------------------------------------------------------------------------------------------------
 
@@ -180,7 +186,8 @@ class Launcher:
                         if m in dead or (m in waiting and self.failed_text(g, m) is not None)}
             failed = list(failures.values())
             if ended:
-                codes = ", ".join(f"rank {holders[m]} exit {c}" for m, c in ended.items())
+                codes = ", ".join(f"rank {holders[m]} exit {c} (member {m}, pid {self.members[m].pid})"
+                                  for m, c in ended.items())
                 if waiting:  # the others took the ended ranks' leaving for a failure: they end too
                     why = f"{codes} during generation {g}: the others end"
                     self.write(Plan(g + 1, abort=why, failed=failed), f"generation {g + 1}: abort: {why}")
@@ -189,6 +196,13 @@ class Launcher:
                 return self.finish(rcs)
             spares = self.live_spares()
             said = [self.describe(f, rcs[m] is None) for m, f in failures.items()]
+            self.stalled = self.stalled + 1 if g > 0 and not self.has(recovery.stepped_key(g)) else 0
+            if self.stalled >= MAX_STALLED:
+                why = (f"generations {g - MAX_STALLED + 1} to {g} each failed before their first step: the failure "
+                       "repeats, in-process recovery stops")
+                self.write(Plan(g + 1, abort=why, failed=failed),
+                           f"generation {g + 1}: {'; '.join(said)}; {why}: the ranks end")
+                return self.finish(rcs)
             if len(spares) < len(dead):
                 why = "no spare left for " + ", ".join(
                     f"rank {holders[m]} (member {m}, pid {self.members[m].pid}: {failures[m]['how']})"

@@ -37,7 +37,7 @@ log = logging.getLogger("pyrecover")
 
 
 def say(line: str) -> None:
-    """A warning line from any rank, to stderr."""
+    """An error or warning line from any rank, to stderr."""
     print(line, file=sys.stderr, flush=True)
 
 

@@ -15,6 +15,9 @@ Keys in the launcher's store (values are JSON):
     alive/<g>/<member>  a member of g-1 (or a spare) is ready for g, with why it left g-1
     failed/<g>/<member> what failed in g, as the member saw it (an exception's line), for the recovery line
     down/<g>            the launcher saw g fail (written at once): a save waiting on a dead rank's part stops
+    here/<g>/<member>   a rank of g is about to build g's group (the group's own rendezvous would wait out its
+                        timeout for a member that died before it arrived; this wait stops at down/<g>)
+    stepped/<g>         a rank of g finished g's first step: the recovery into g got somewhere
 Stdlib only at import: the launcher and a waiting spare import it before torch.
 """
 
@@ -52,6 +55,10 @@ def failed_key(g: int, member: int) -> str:
 
 def down_key(g: int) -> str:
     return f"down/{g}"
+
+
+def stepped_key(g: int) -> str:
+    return f"stepped/{g}"
 
 
 def pg_prefix(g: int) -> str:
@@ -127,6 +134,22 @@ class Member:
     def down(self) -> bool:
         """Whether the launcher saw this generation fail (a rank died or asked for the next one)."""
         return self.store.check([down_key(self.generation)])
+
+    def gather(self) -> bool:
+        """Before this generation's group is built: say this member is here and wait until every rank's member is
+        (True), or until the launcher marks the generation down (False: one died before it joined)."""
+        g = self.generation
+        self.store.set(f"here/{g}/{self.member}", b"1")
+        keys = [f"here/{g}/{m}" for m in self.plan.ranks]
+        while not self.store.check(keys):
+            if self.store.check([down_key(g)]):
+                return False
+            time.sleep(0.002)
+        return True
+
+    def stepped(self) -> None:
+        """This generation finished its first step (after a recovery): the launcher counts it as progress."""
+        self.store.set(stepped_key(self.generation), b"1")
 
     def next_plan(self, why: str | None) -> Plan:
         """A rank of this generation that saw it fail: say what it raised (``why``; None: a peer failed, which the

@@ -24,6 +24,7 @@ import random
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 _PARSED: argparse.Namespace | None = None  # the flags train.py's first lines parsed, run as a program (main takes them)
@@ -93,7 +94,7 @@ from flags import (BadInput, apply_resume_flags, build_parser, check_numeric_fla
 from metrics import Metrics, device_peak_flops, started_at, val_csv_path
 from model import MemoryEstimate, ModelConfig, Transformer
 from preflight import (Prepared, check_everything, check_inputs, check_resume,  # noqa: F401 (check_inputs: tests)
-                       memory_estimate, open_session, preflight, source_positions)
+                       memory_estimate, open_session, preflight, say, source_positions)
 import recovery
 import schedules
 import trackers
@@ -131,11 +132,6 @@ STOP_OUTCOMES = {Outcome.REQUEUED: "requeued", Outcome.STOPPED: "not requeued",
 
 def exit_code(error: BaseException) -> int:
     return next(EXIT_FOR[t] for t in type(error).__mro__ if t in EXIT_FOR)
-
-
-def say(line: str) -> None:
-    """An error or warning line from any rank, to stderr."""
-    print(line, file=sys.stderr, flush=True)
 
 
 def seed_everything(seed: int) -> None:
@@ -624,9 +620,12 @@ def train(args: argparse.Namespace, signals, started: float) -> int:
             joined = rejoin(args, run, prepared, member, failure, signals, started)
             if isinstance(joined, int):  # the job ended, or no spare was left
                 return joined
+            if isinstance(joined, Failure):  # another failure during the recovery: the next generation
+                failure = joined
+                continue
             run, prepared = joined
         result = generation(args, run, prepared, started, t_start, failure if failure and failure.plan else None,
-                            recovering=member is not None)
+                            member)
         if not isinstance(result, Failure):
             return result
         failure = result
@@ -646,9 +645,9 @@ class Failure:
 
 
 def generation(args: argparse.Namespace, run: Run, prepared: Prepared, started: float, t_start: float,
-               recovered: Failure | None, recovering: bool) -> int | Failure:
+               recovered: Failure | None, member) -> int | Failure:
     """One process group's life: the load (or, after a recovery, the reload of the newest step every rank reaches),
-    the loop, the end. Returns the exit code, or, under launcher.py, the Failure that ended the group."""
+    the loop, the end. Returns the exit code, or, under launcher.py (``member``), the Failure that ended the group."""
     env, session = run.env, prepared.session
     metrics = loop = None
     try:
@@ -682,8 +681,9 @@ def generation(args: argparse.Namespace, run: Run, prepared: Prepared, started: 
             loop.end_step()
             metrics.step(run.progress.step, loss, lr, grad_norm, time.perf_counter() - t0, run.progress.tokens_seen,
                          run.progress.restarts)
-            if recovered is not None:  # the first step after a recovery: its line, once
+            if recovered is not None:  # the first step after a recovery: its line, once; the launcher hears of it
                 recovery_line(env, recovered, loaded, time.perf_counter() - t0)
+                member.stepped()
                 recovered = None
             if evaluator is not None and evaluator.due(run.progress.step):  # after the optimizer step, before a save
                 evaluator(run.progress.step)  # --eval-every: no RNG, no weight changes (evaluation.evaluate)
@@ -695,11 +695,13 @@ def generation(args: argparse.Namespace, run: Run, prepared: Prepared, started: 
     except Exception as e:
         if isinstance(e, USER_ERRORS):
             raise
-        if not recovering:  # a peer failed: this healthy rank saved the last completed step (or another did): requeue
+        if member is None:  # a peer failed: this healthy rank saved the last completed step (or another did): requeue
             if loop is None or not loop.rescue(e):
                 raise
             return EXIT_REQUEUE
         failure = Failure(distributed.failure_line(e), time.time(), own=not distributed.from_peer(e))
+        if failure.own:  # this rank's own exception (a bug shows its traceback), before the recovery goes on
+            say(f"rank {env.rank}'s exception, recovered in process:\n{traceback.format_exc().rstrip()}")
     else:
         return finish(args, run, ending, metrics, time.perf_counter() - t_loop)
     # under launcher.py this rank lives on into the next generation; torn down here, out of the except clause: the
@@ -712,7 +714,8 @@ def tear_down(run: Run, session, metrics: Metrics | None, failure: Failure) -> F
     saves in flight and releases the run folder; the loss rows so far are flushed (the next load drops those past its
     step); the DDP wrapper lets go of the parameters and is freed before its process group is destroyed, so the
     group's connections close and a peer still blocked in a collective with this rank fails at once too."""
-    say(f"recovery (rank {run.env.rank}): {failure.error}; leaving this process group, keeping the process")
+    say(f"recovery (rank {run.env.rank}, pid {os.getpid()}): {failure.error}; leaving this process group, keeping the "
+        "process")
     session.abandon()
     if metrics is not None:
         metrics.close()
@@ -725,10 +728,11 @@ def tear_down(run: Run, session, metrics: Metrics | None, failure: Failure) -> F
 
 
 def rejoin(args: argparse.Namespace, run: Run, prepared: Prepared, member, failure: Failure, signals,
-           started: float) -> tuple[Run, Prepared] | int:
+           started: float) -> tuple[Run, Prepared] | Failure | int:
     """Into the next generation: wait for its plan (a survivor says it is alive; a spare waits for a rank), build its
-    process group, wrap the kept model again, open a session that resumes from `latest`. An int: the exit code (the
-    job ended while a spare waited, or no spare was left for a dead rank)."""
+    process group, wrap the kept model again, open a session that resumes from `latest`. A Failure: the recovery
+    itself failed (a member of the new generation died meanwhile), this generation is torn down too. An int: the exit
+    code (the job ended while a spare waited, or no spare was left for a dead rank)."""
     t0 = time.time()
     plan = member.next_plan(failure.error if failure.own else None) if failure.error else member.wait_for_rank()
     if not failure.error:  # a spare saw nothing fail: its recovery starts with the plan that gives it a rank
@@ -740,20 +744,36 @@ def rejoin(args: argparse.Namespace, run: Run, prepared: Prepared, member, failu
             say(f"error: {plan.abort}: no in-process recovery; the run resumes from its last checkpoint at the next "
                 "start")
         return EXIT_REQUEUE
-    env = distributed.join(member, args.pg_timeout_seconds or 600.0, cuda=run.env.device.type == "cuda")
-    setup_logging(env.rank)
-    model = distributed.parallelize(unwrap_model(run.model), env, args.parallel)
-    run.optimizer.zero_grad(set_to_none=True)  # a step cut short left gradients behind
-    loader = TrainLoader(prepared.windows, args.batch_size, env.rank, env.world_size, args.seed)
-    run = dataclasses.replace(run, env=env, model=torch.compile(model) if args.compile else model, loader=loader,
-                              tokens_per_step=args.batch_size * args.gradient_accumulation_steps * args.sequence_length
-                              * env.world_size)  # a spare was built as one process
-    args.resume_from_checkpoint = "latest"  # the newest step every rank can reach, verified as at a restart
-    session, preview = open_session(args, env, signals, started, down=member.down)
+    env = model = session = None
     try:
+        env = distributed.join(member, args.pg_timeout_seconds or 600.0, cuda=run.env.device.type == "cuda")
+        setup_logging(env.rank)
+        model = distributed.parallelize(unwrap_model(run.model), env, args.parallel)
+        run.optimizer.zero_grad(set_to_none=True)  # a step cut short left gradients behind
+        loader = TrainLoader(prepared.windows, args.batch_size, env.rank, env.world_size, args.seed)
+        args.resume_from_checkpoint = "latest"  # the newest step every rank can reach, verified as at a restart
+        session, preview = open_session(args, env, signals, started, down=member.down)
         agreed(env, lambda: session.take())
     except Refused:
         return EXIT_FAILED
+    except Exception as e:
+        if isinstance(e, USER_ERRORS):
+            raise
+        again = Failure(distributed.failure_line(e), time.time(), own=not distributed.from_peer(e))
+        say(f"recovery (rank {env.rank if env else '?'}, pid {os.getpid()}): {again.error}, while recovering into "
+            f"generation {plan.generation}; leaving it, keeping the process")
+        if session is not None:
+            session.abandon()
+        if model is not None:
+            distributed.release_wrapper(model)
+        model = None
+        gc.collect()
+        distributed.abort(env or run.env)
+        again.teardown_s = time.time() - again.seen
+        return again
+    run = dataclasses.replace(run, env=env, model=torch.compile(model) if args.compile else model, loader=loader,
+                              tokens_per_step=args.batch_size * args.gradient_accumulation_steps * args.sequence_length
+                              * env.world_size)  # a spare was built as one process
     failure.agree_s, failure.plan = time.time() - t0, plan
     return run, dataclasses.replace(prepared, session=session, preview=preview)
 

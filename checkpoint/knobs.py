@@ -29,6 +29,8 @@ PYRECOVER_MIRROR_DELAY_S=SECONDS               mirror.py                        
   the mirror's copier sleeps that long before each file (a slow mirror: a test kills the run mid-copy).
 PYRECOVER_DRAIN_DELAY_S=SECONDS                tier.py (Drainer)                    test-only    drain_delay_s()
   the local tier's drainer sleeps that long after each file it copies to the shared tier (a test kills mid-drain).
+PYRECOVER_PEER_DELAY_S=SECONDS                 peer.py (Link.swap)                  test-only    peer_delay_s()
+  each peer copy pauses that long between its headers and its data, on both ends (a test kills a rank mid-copy).
 PYRECOVER_LEASE_HEARTBEAT_S=SECONDS            lease.py (HEARTBEAT_S, at import)    test-only    lease_heartbeat_s()
   how often the lease holder touches its record (default 10).
 PYRECOVER_LEASE_TIMEOUT_S=SECONDS              lease.py (TIMEOUT_S, at import)      test-only    lease_timeout_s()
@@ -39,10 +41,15 @@ PYRECOVER_TOKENIZE_DELAY_S=SECONDS             dataset.py (_build_cache)        
 PYRECOVER_TEST_EVAL_SLEEP=SECONDS              evaluation.py (evaluate)             test-only    eval_sleep()
   every evaluation sleeps that long after its first batch, spread over its later rounds of batches (a test kills the
   run, or sends a stop signal, in the middle of an evaluation).
-PYRECOVER_CRASH_AT_STEP=k[:rank[:MODE]]        train.py                             test-only    crash_at_step(),
+PYRECOVER_CRASH_AT_STEP=k[:rank[:MODE[:PHASE]]] train.py                            test-only    crash_at_step(),
                                                                                                  install_crash_hook()
-  ``rank`` (default 0) dies right after the forward pass of step k (before backward and its all-reduce): MODE
-  ``kill`` (SIGKILL, default), ``raise`` or ``hang``.
+  ``rank`` (default 0) dies in step k: MODE ``kill`` (SIGKILL, default), ``raise`` or ``hang``; PHASE ``forward``
+  (default: right after the forward pass, before backward and its all-reduce), ``backward`` (as the first
+  parameter's gradient is made: DDP's all-reduce of the later buckets is under way), ``optimizer`` (as the optimizer
+  step begins, after the all-reduce) or ``eval`` (in the evaluation after step k).
+PYRECOVER_CRASH_IN_RECOVERY=g:rank             train.py (rejoin)                    test-only    crash_in_recovery()
+  ``rank`` is SIGKILLed while it recovers into generation g: after it joined the generation's group, before the load
+  (a second failure during a recovery, launcher.py only).
 PYRECOVER_TEST_RANKS_PER_NODE=N               checkpoint/session.py                test-only    node_name()
   ranks r and r' count as one node when r // N == r' // N (torchrun on one host emulating several nodes, each with
   its own node-local checkpoint tier). Unset: the host name decides. With --peer-checkpoint each emulated node holds
@@ -132,6 +139,11 @@ def drain_delay_s(environ: Mapping[str, str] | None = None) -> float:
     return _seconds("PYRECOVER_DRAIN_DELAY_S", 0.0, environ)
 
 
+def peer_delay_s(environ: Mapping[str, str] | None = None) -> float:
+    """PYRECOVER_PEER_DELAY_S: seconds each peer copy pauses between its headers and its data (0 when unset)."""
+    return _seconds("PYRECOVER_PEER_DELAY_S", 0.0, environ)
+
+
 def lease_heartbeat_s(environ: Mapping[str, str] | None = None) -> float:
     """PYRECOVER_LEASE_HEARTBEAT_S: how often the lease holder touches its record (default 10 s)."""
     return _seconds("PYRECOVER_LEASE_HEARTBEAT_S", 10.0, environ)
@@ -154,15 +166,34 @@ def eval_sleep(environ: Mapping[str, str] | None = None) -> float | None:
     return seconds or None
 
 
-def crash_at_step(environ: Mapping[str, str] | None = None) -> tuple[int, int, str] | None:
-    """PYRECOVER_CRASH_AT_STEP=k[:rank[:kill|raise|hang]] as (step, rank, mode); rank defaults to 0, mode to "kill".
-    None when unset."""
-    spec = _env(environ).get("PYRECOVER_CRASH_AT_STEP", "")
-    if not spec:
-        return None
-    parts = spec.split(":")
-    mode = parts[2] if len(parts) > 2 and parts[2] else "kill"  # anything but raise/hang kills
-    return int(parts[0]), int(parts[1]) if len(parts) > 1 and parts[1] else 0, mode
+CRASH_PHASES = ("forward", "backward", "optimizer", "eval")
+
+
+def crash_at_step(environ: Mapping[str, str] | None = None) -> list[tuple[int, int, str, str]]:
+    """PYRECOVER_CRASH_AT_STEP=k[:rank[:kill|raise|hang[:phase]]][,...] as [(step, rank, mode, phase), ...]; rank
+    defaults to 0, mode to "kill", phase to "forward". Several crashes, comma-separated, share one run (each happens
+    once with PYRECOVER_CRASH_ONCE). Empty when unset."""
+    crashes = []
+    for spec in filter(None, _env(environ).get("PYRECOVER_CRASH_AT_STEP", "").split(",")):
+        parts = spec.split(":") + ["", "", ""]
+        mode = parts[2] or "kill"  # anything but raise/hang kills
+        phase = parts[3] or "forward"
+        if phase not in CRASH_PHASES:
+            raise ValueError(f"PYRECOVER_CRASH_AT_STEP: {spec}: phase {phase!r} is not one of {', '.join(CRASH_PHASES)}")
+        crashes.append((int(parts[0]), int(parts[1]) if parts[1] else 0, mode, phase))
+    return crashes
+
+
+def crash_in_recovery(generation: int, rank: int, environ: Mapping[str, str] | None = None) -> None:
+    """PYRECOVER_CRASH_IN_RECOVERY=g:rank (test-only): SIGKILL this process if it is ``rank`` recovering into
+    generation ``g`` (called by train.py once the generation's group is built, before the load)."""
+    spec = _env(environ).get("PYRECOVER_CRASH_IN_RECOVERY", "")
+    if not spec or [int(x) for x in spec.split(":")] != [generation, rank]:
+        return
+    import signal
+
+    print(f"[crash] rank {rank}: kill while recovering into generation {generation}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def node_name(rank: int, environ: Mapping[str, str] | None = None) -> str:
@@ -219,35 +250,50 @@ def fault_point(name: str, where: object = "") -> None:
 
 
 def install_crash_hook(model, rank: int, current_step) -> None:
-    """PYRECOVER_CRASH_AT_STEP (test-only): make ``rank`` die (SIGKILL), raise or hang right after the forward pass of
-    the step given, before backward and its all-reduce -- a peer failure for --jit-checkpoint to survive. ``model``: the unwrapped
-    module; ``current_step()``: the last completed step."""
-    spec = crash_at_step()
-    if spec is None or spec[1] != rank or getattr(model, "_pyrecover_crash_hook", False):
-        return  # one hook per module: a recovered rank loads again into the same module
+    """PYRECOVER_CRASH_AT_STEP (test-only): make ``rank`` die (SIGKILL), raise or hang in the step given, in the phase
+    given (``crash_at_step``) -- a peer failure for --jit-checkpoint or an in-process recovery to survive. ``model``:
+    the unwrapped module; ``current_step()``: the last completed step."""
+    crashes = [(i, *c) for i, c in enumerate(crash_at_step()) if c[1] == rank]
+    if not crashes or getattr(model, "_pyrecover_crash_hook", False):
+        return  # one set of hooks per module: a recovered rank loads again into the same module
     model._pyrecover_crash_hook = True
-    at_step, _, mode = spec
-    once = os.environ.get("PYRECOVER_CRASH_ONCE")  # a file: the crash happens once in the job, not again after the
+    once = os.environ.get("PYRECOVER_CRASH_ONCE")  # a file: each crash happens once in the job, not again after the
     import signal                                  # in-process recovery that replays the step (or in the spare)
     import time
 
-    def hook(module, inputs, output):  # noqa: ARG001
-        if not module.training or current_step() + 1 != at_step:  # eval forwards (evaluation.py) are not the step
-            return
-        if once:
-            try:
-                os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
+    def hook(index: int, at_step: int, mode: str, phase: str):
+        def crash(*_args) -> None:
+            # the step's own phases run in training mode before the step counts; the evaluation after step k does not
+            training = phase != "eval"
+            if training != model.training or current_step() + (1 if training else 0) != at_step:
                 return
-        print(f"[crash] rank {rank}: {mode} after the forward pass of step {at_step}", flush=True)
-        if mode == "raise":
-            raise RuntimeError(f"injected crash of rank {rank} at step {at_step}")
-        if mode == "hang":
-            while True:
-                time.sleep(3600)
-        os.kill(os.getpid(), signal.SIGKILL)
+            if once:
+                try:
+                    os.close(os.open(f"{once}.{index}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                except FileExistsError:
+                    return
+            where = "after the forward pass" if phase == "forward" else f"in the {phase} phase"
+            print(f"[crash] rank {rank}: {mode} {where} of step {at_step}", flush=True)
+            if mode == "raise":
+                raise RuntimeError(f"injected crash of rank {rank} at step {at_step}"
+                                   + ("" if phase == "forward" else f" ({phase})"))
+            if mode == "hang":
+                while True:
+                    time.sleep(3600)
+            os.kill(os.getpid(), signal.SIGKILL)
 
-    model.register_forward_hook(hook)
+        return crash
+
+    for index, at_step, _, mode, phase in crashes:
+        crash = hook(index, at_step, mode, phase)
+        if phase in ("forward", "eval"):
+            model.register_forward_hook(crash)
+        elif phase == "backward":  # the first parameter (the embedding) gets its gradient late in backward
+            next(model.parameters()).register_hook(crash)
+        else:  # every optimizer's step (the run has one), after the gradients' all-reduce
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            register_optimizer_step_pre_hook(crash)
 
 
 def swap_after_load(model, environ: Mapping[str, str] | None = None) -> None:

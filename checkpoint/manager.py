@@ -432,6 +432,12 @@ class CheckpointManager:
             f"({pct:.1f}% of {run_seconds:.1f}s), load {self.load_seconds:.2f}s"
         ) + "".join(f"\n{line}" for line in [c.summary() for c in self.copies] + [self.first.summary()] if line)
 
+    def leave(self) -> None:
+        """The process group failed (in-process recovery): saves in flight are not waited for, and background work
+        that needs the group (a peer copy) stops at once."""
+        self.in_flight.clear()
+        self.first.leave()
+
     def close(self) -> None:
         """Wait for every save in flight (re-raising the first error), then release the backend's resources -- those
         also after an error, which the caller may survive (--on-save-error continue)."""

@@ -509,7 +509,7 @@ class Session:
         releases the lease, so the next generation takes the run folder at once. A later call of this object raises."""
         self._phase = "abandon"
         if self.manager is not None:
-            self.manager.in_flight.clear()
+            self.manager.leave()
         self._release()
         self.state = self.manager = self.policy = None  # the model's wrapper, and its group, are not held here
 

@@ -116,6 +116,12 @@ def loss_rows(path: Path) -> list[tuple[str, str, str, str]]:
         return [(r["step"], r["loss"], r["lr"], r["tokens_seen"]) for r in csv.DictReader(f)]
 
 
+def val_rows(path: Path) -> list[tuple[str, str, str, str]]:
+    """The deterministic columns of a val CSV (wall time legitimately differs)."""
+    with open(path, newline="") as f:
+        return [(r["step"], r["val_loss"], r["val_ppl"], r["val_tokens"]) for r in csv.DictReader(f)]
+
+
 def csv_rows(csv: Path) -> int:
     try:
         return max(0, len(csv.read_text().splitlines()) - 1)

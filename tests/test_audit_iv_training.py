@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import csv
 import re
 import signal
 import subprocess
@@ -24,14 +23,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import PY, ROOT, TINY, check_weights, env_for_tests, free_port, loss_rows, run_train
+from helpers import PY, ROOT, TINY, check_weights, env_for_tests, free_port, loss_rows, run_train, val_rows
 
 STOP_WITHIN_S = 15.0  # the bound: the signal's checkpoint committed and the process gone
 
-
-def val_rows(path: Path) -> list[tuple[str, str, str, str]]:
-    with open(path, newline="") as f:
-        return [(r["step"], r["val_loss"], r["val_ppl"], r["val_tokens"]) for r in csv.DictReader(f)]
 
 
 def committed(exp: Path) -> list[int]:

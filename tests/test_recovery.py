@@ -1,7 +1,8 @@
-"""In-process recovery (issue 56) through the real CLI: launcher.py starts 2 gloo ranks of train.py and a spare on
-this machine; a rank is SIGKILLed, or raises, in a training step; the survivor keeps its process, the spare takes the
-dead rank, every rank reloads the newest step they all reach (the node-local tier), and the run ends bitwise an
-uninterrupted torchrun run's: weights, optimizer state, loss rows."""
+"""In-process recovery (issue 56) through the real CLI: launcher.py starts 2 gloo ranks of train.py and spares on
+this machine; a rank is SIGKILLed, or raises, in each phase of a step, in an evaluation, with copies in flight, during
+a recovery; the survivors keep their processes, a spare takes each dead rank, every rank reloads the newest step they
+all reach (the node-local tier), and the run ends bitwise an uninterrupted torchrun run's: weights, optimizer state,
+loss and val rows. Several failures share one run."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PY, ROOT, TINY, check_weights, env_for_tests, loss_rows, run_torchrun
+from helpers import PY, ROOT, TINY, check_weights, env_for_tests, loss_rows, run_torchrun, val_rows
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +22,7 @@ STEPS = 12
 def _args(corpus: str, ck: Path, local: Path) -> list[str]:
     return TINY + ["--dataset", corpus, "--checkpoint-dir", str(ck), "--training-steps", str(STEPS),
                    "--checkpoint-frequency", "4", "--local-checkpoint-dir", str(local), "--local-checkpoint-frequency",
-                   "2", "--log-loss-to-csv"]
+                   "2", "--eval-every", "5", "--log-loss-to-csv"]
 
 
 def _launch(args: list[str], *, spares: int = 1, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -44,39 +45,88 @@ def _members(out: str) -> dict[int, tuple[int, str]]:
                                                                     out)}
 
 
-def _assert_bitwise(run: Path, reference: Path) -> None:
+def _assert_bitwise(run: Path, reference: Path, *, val: bool = True) -> None:
     cmp = check_weights(run / f"step-{STEPS:08d}", reference / f"step-{STEPS:08d}", "--tolerance", "0", "--optimizer")
     assert cmp.returncode == 0, cmp.stdout + cmp.stderr
     assert loss_rows(run / "loss.csv") == loss_rows(reference / "loss.csv")
+    assert [r[3] for r in loss_rows(run / "loss.csv")] == [str(256 * s) for s in range(1, STEPS + 1)]
+    if val:  # the same evaluations (every 5 steps and at each save: the same saves as the reference's)
+        assert val_rows(run / "val.csv") == val_rows(reference / "val.csv")
 
 
-@pytest.mark.parametrize("mode,rank", [("kill", 1), ("raise", 1), ("kill", 0)])
-def test_a_rank_killed_or_raising_in_a_step_recovers_in_process_and_ends_bitwise(tmp_path, corpus, reference, mode,
-                                                                                   rank):
-    """Rank 0 killed: the spare becomes rank 0 (the lease, the loss CSV, the shared state's counters are its)."""
+def _recovered(tmp_path: Path, corpus: str, reference: Path, crashes: str, *, spares: int, resumed: list[int],
+               env: dict | None = None, extra: tuple[str, ...] = ()) -> str:
+    """One run through ``crashes`` (PYRECOVER_CRASH_AT_STEP, each once): it ends bitwise the reference, recovering in
+    process only (the launcher started each member once), resuming ``resumed`` in turn; every rank that left a
+    process group and was not killed later ends the run in the same process."""
     ck, local = tmp_path / "ck", tmp_path / "local"
-    out = _launch(_args(corpus, ck, local), env={"PYRECOVER_CRASH_AT_STEP": f"7:{rank}:{mode}",
-                                                  "PYRECOVER_CRASH_ONCE": str(tmp_path / "crashed")})
+    out = _launch(_args(corpus, ck, local) + list(extra), spares=spares,
+                  env={"PYRECOVER_CRASH_AT_STEP": crashes, "PYRECOVER_CRASH_ONCE": str(tmp_path / "crashed"),
+                       **(env or {})})
     text = out.stdout + out.stderr
-    assert out.returncode == 0, text[-6000:]
-    members = _members(text)
-    assert members[0][1] == "rank 0" and members[1][1] == "rank 1" and members[2][1] == "spare", text[-3000:]
-    # one recovery, in process: the spare takes rank 1 if it died; a rank that raised keeps its rank
-    line = re.search(r"launcher: generation 1: (.*)", text).group(1)
-    if mode == "kill":
-        assert f"rank {rank} (member {rank}" in line and "died (SIGKILL)" in line, line
-        assert f"member 2 (spare) takes rank {rank}" in line, line
-    else:
-        assert "failed (RuntimeError: injected crash of rank 1 at step 7)" in line and "takes" not in line, line
-    recovered = re.search(r"^recovery: (.*) failed; generation 1 resumed step (\d+) from (.*) in-process; (.*)$", text,
-                          re.M)
-    assert recovered and int(recovered.group(2)) == 6, text[-4000:]
-    assert "local tier" in recovered.group(3), recovered.group(0)
-    # no member was started again: the launcher started three processes, once each
-    assert len(re.findall(r"launcher: member \d+ pid", text)) == 3
-    assert "generation 2" not in text
+    assert out.returncode == 0, text[-8000:]
+    started = {pid for pid, _ in _members(text).values()}
+    assert len(started) == 2 + spares and len(re.findall(r"launcher: member \d+ pid", text)) == 2 + spares, text[-4000:]
+    lines = re.findall(r"^recovery: .* failed; generation (\d+) resumed step (\d+) from (.*) in-process; ", text, re.M)
+    assert [int(step) for _, step, _ in lines] == resumed, text[-6000:]
+    generations = [int(g) for g, _, _ in lines]
+    assert generations == sorted(set(generations)) and generations[0] >= 1, lines
+    # the survivors' PIDs: each process that left a group lived on, unless a later failure killed it
+    left = {int(pid) for pid in re.findall(r"^recovery \(rank \d+, pid (\d+)\): ", text, re.M)}
+    killed = {int(pid) for pid in re.findall(r"\(member \d+, pid (\d+)\) died \(SIGKILL\)", text)}
+    ended = {int(pid) for pid in re.findall(r"exit 0 \(member \d+, pid (\d+)\)", text)}
+    assert left and left <= started and left - killed <= ended, (left, killed, ended, text[-4000:])
+    assert len(ended) == 2
     _assert_bitwise(ck / "default", reference)
-    assert [r[3] for r in loss_rows(ck / "default" / "loss.csv")] == [str(256 * s) for s in range(1, STEPS + 1)]
+    return text
+
+
+def test_a_rank_killed_in_each_phase_of_a_step_or_raising_recovers_in_process_and_ends_bitwise(tmp_path, corpus,
+                                                                                               reference):
+    """Rank 1 SIGKILLed in step 3's backward (DDP's all-reduce under way on rank 0); rank 0 in the evaluation after
+    step 5 (the spare becomes rank 0: the lease, the loss and val CSVs, the shared counters are its); rank 1 in step
+    8's optimizer step (after the all-reduce: rank 0 finishes step 8 and saves its part of it, which no load may use);
+    rank 0 raising in step 11's forward (it keeps its rank and its process)."""
+    text = _recovered(tmp_path, corpus, reference, "3:1:kill:backward,5:0:kill:eval,8:1:kill:optimizer,11:0:raise",
+                      spares=3, resumed=[2, 4, 6, 10])
+    for crash in ("1: kill in the backward phase of step 3", "0: kill in the eval phase of step 5",
+                  "1: kill in the optimizer phase of step 8", "0: raise after the forward pass of step 11"):
+        assert text.count(f"[crash] rank {crash}") == 1, crash
+    said = re.findall(r"launcher: generation (\d+): (.*)", text)
+    assert "rank 1 (member 1" in said[0][1] and "died (SIGKILL)" in said[0][1], said
+    assert "member 2 (spare) takes rank 1" in said[0][1] and "member 3 (spare) takes rank 0" in said[1][1], said
+    assert "member 4 (spare) takes rank 1" in said[2][1], said
+    assert "failed (RuntimeError: injected crash of rank 0 at step 11)" in said[3][1] and "takes" not in said[3][1]
+    assert "local tier" in re.search(r"^recovery: .* generation 1 resumed step 2 from (.*) in-process", text,
+                                     re.M).group(1)
+
+
+def test_a_rank_lost_with_a_drain_and_a_peer_copy_in_flight_recovers_in_process_and_ends_bitwise(tmp_path, corpus,
+                                                                                                 reference):
+    """Two emulated nodes with --peer-checkpoint, a slow drain to the shared tier and a slow peer copy: rank 1 is
+    SIGKILLed in step 6 and raises in step 10, each time while the drain of the step before last (4, 8) and a peer
+    copy are in flight on every rank."""
+    text = _recovered(tmp_path, corpus, reference, "6:1:kill,10:1:raise", spares=1, resumed=[4, 8],
+                      env={"PYRECOVER_TEST_RANKS_PER_NODE": "1", "PYRECOVER_DRAIN_DELAY_S": "0.5",
+                           "PYRECOVER_PEER_DELAY_S": "1.5"}, extra=("--peer-checkpoint",))
+    killed = text.index("[crash] rank 1: kill")
+    drained = re.search(r"checkpoint step 4 committed in the shared tier", text)
+    assert drained is None or drained.start() > killed, text[-6000:]  # the drain of step 4 was in flight
+    # and a peer copy each time: the failed group's connections are shut down, so a transfer in flight fails at once
+    raised = text.index("[crash] rank 1: raise")
+    stopped = [m.start() for m in re.finditer(r"warning: peer copy stopped at step \d+: .*Connection (reset|closed) "
+                                              r"by peer", text)]
+    assert any(killed < at < raised for at in stopped) and any(at > raised for at in stopped), text[-6000:]
+
+
+def test_a_rank_killed_during_a_recovery_is_replaced_in_the_next(tmp_path, corpus, reference):
+    """Rank 1 is SIGKILLed in step 5; rank 0, the survivor, is SIGKILLed while it recovers (in generation 1's new
+    group, before the load): generation 2 gives it the second spare, and all resume step 4."""
+    text = _recovered(tmp_path, corpus, reference, "5:1:kill", spares=2, resumed=[4],
+                      env={"PYRECOVER_CRASH_IN_RECOVERY": "1:0"})
+    assert "[crash] rank 0: kill while recovering into generation 1" in text
+    assert re.search(r"launcher: generation 2: .*rank 0 \(member 0, pid \d+\) died \(SIGKILL\).*member 3 \(spare\) "
+                     r"takes rank 0", text), text[-4000:]
 
 
 def test_a_rank_killed_inside_a_save_does_not_hold_rank_0_in_its_commit(tmp_path, corpus, reference):
@@ -92,7 +142,7 @@ def test_a_rank_killed_inside_a_save_does_not_hold_rank_0_in_its_commit(tmp_path
     assert out.returncode == 0, text[-6000:]
     assert "[fault] SIGKILL at after_fsync_before_rename" in text and "member 2 (spare) takes rank 1" in text, text
     assert re.search(r"^recovery: .* resumed step 4 from .* in-process", text, re.M), text[-4000:]
-    _assert_bitwise(ck / "default", reference)
+    _assert_bitwise(ck / "default", reference, val=False)  # no local tier: evaluations at other saves
 
 
 def test_a_waiting_spare_killed_costs_one_line(tmp_path, corpus, reference):

@@ -45,6 +45,8 @@ def gone(m):  # the test's stand-in for a collective that fails when a peer is d
 def serve(plan):
     g = plan.generation
     store.set(f"serving/{g}/{me}", json.dumps([plan.ranks[me], os.getpid()]))
+    if g > 0 and not store.check(["no-steps"]):  # train.py's first step after a recovery
+        store.set(recovery.stepped_key(g), b"1")
     while True:
         if store.check(["end"]):
             sys.exit(int(store.get("end")))
@@ -175,7 +177,7 @@ def test_clean_end_sends_the_spares_home(job):
     assert j.plan(0) == {"ranks": {"0": 0, "1": 1}, "world_size": 2, "failed": []}
     assert j.end(0) == 0
     out = j.output()
-    assert "member 2: done 0" in out and "launcher: generation 0 ended: rank 0 exit 0, rank 1 exit 0" in out
+    assert "member 2: done 0" in out and re.search(r"launcher: generation 0 ended: rank 0 exit 0 \(member 0, pid \d+\), rank 1 exit 0 \(member 1, pid \d+\)", out)
     assert "died" not in out
 
 
@@ -207,6 +209,22 @@ def test_a_rank_that_raises_keeps_its_rank(job):
     assert (f"launcher: generation 1: rank 1 (member 1, pid {pids[1]}) failed (RuntimeError: injected); "
             f"1 spares left") in out, out
     assert "member 2: done 0" in out
+
+
+def test_a_failure_that_repeats_before_any_step_stops_the_recoveries(job):
+    """Rank 1 raises in generation 0, then in each recovered generation before its first step (a bug at the load):
+    after launcher.MAX_STALLED such generations the plan aborts (exit 3: a restart, not an endless loop)."""
+    j = job("--nproc", "2", "--spares", "1")
+    j.member_pids(3)
+    j.store.set("no-steps", "1")
+    for g in range(4):
+        j.serving(g, 0), j.serving(g, 1)
+        j.store.set(f"raise/{g}/1", "1")
+    assert j.wait() == 3
+    out = j.output()
+    assert "generation 4: rank 1 (member 1, pid" in out and ("generations 1 to 3 each failed before their first step: "
+                                                           "the failure repeats") in out, out
+    assert "generation 3: rank 1" in out and "abort" not in out.split("generation 4:")[0], out
 
 
 def test_a_hung_rank_is_killed_after_the_recovery_timeout(job):
@@ -246,8 +264,8 @@ def test_a_rank_that_ends_while_its_peer_asks_for_a_new_generation_ends_the_run(
     j.member_pids(3)
     j.serving(0, 0), j.serving(0, 1)
     j.store.set("exit/1", "0")  # finished, as its peer takes its leaving for a failure
-    plan = j.plan(1)
-    assert plan["abort"] == "rank 1 exit 0 during generation 0: the others end", plan
+    plan, pids = j.plan(1), j.member_pids(3)
+    assert plan["abort"] == f"rank 1 exit 0 (member 1, pid {pids[1]}) during generation 0: the others end", plan
     assert j.wait() == 3  # the peer's requeue: a restart finds what is left to do
     assert "member 2: abort" in j.output()
 
@@ -269,7 +287,7 @@ def test_signals_reach_every_member(job):
     j.serving(0, 0), j.wait_key("pid/1")
     j.proc.send_signal(signal.SIGTERM)
     assert j.wait() == 4  # the rank's "stopped"; the spare ended on the same signal
-    assert "launcher: generation 0 ended: rank 0 exit 4" in j.output()
+    assert "launcher: generation 0 ended: rank 0 exit 4 (member 0, pid" in j.output()
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import subprocess
 from pathlib import Path
@@ -22,13 +21,8 @@ import pytest
 
 import flags
 from helpers import PY, ROOT, TINY, check_weights, env_for_tests, kill_run_at_row, loss_rows, run_torchrun, run_train, \
-    torchrun_cmd
+    torchrun_cmd, val_rows
 
-
-def val_rows(path: Path) -> list[tuple[str, str, str, str]]:
-    """The deterministic columns of a val CSV (wall time legitimately differs)."""
-    with open(path, newline="") as f:
-        return [(r["step"], r["val_loss"], r["val_ppl"], r["val_tokens"]) for r in csv.DictReader(f)]
 
 
 def card(step_dir: Path) -> dict:

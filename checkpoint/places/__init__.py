@@ -156,6 +156,9 @@ class Replica:
     def retire_newer(self, step: int) -> None:
         """The run continues from ``step``: newer copies belong to a line it left."""
 
+    def leave(self) -> None:
+        """The process group failed (in-process recovery): stop without another collective."""
+
     def close(self) -> None:
         """The run ends: what is in flight finishes (bounded)."""
 

@@ -145,6 +145,9 @@ class FirstPlace(ABC):
     def wait(self) -> None:
         """Block until its background work is done; re-raise its first error."""
 
+    def leave(self) -> None:
+        """The process group failed (in-process recovery): background work that needs it stops at once."""
+
     def close(self) -> None:
         """The run ends: its background work stops (bounded)."""
 

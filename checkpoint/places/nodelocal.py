@@ -282,6 +282,10 @@ class NodeLocal(FirstPlace):
     def wait(self) -> None:
         self._drainer.wait()
 
+    def leave(self) -> None:
+        for replica in self.replicas:
+            replica.leave()
+
     def close(self) -> None:
         self._drainer.close()
         for replica in self.replicas:  # the last local step reaches the buddy too (bounded wait)

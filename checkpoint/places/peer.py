@@ -34,11 +34,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .. import layout, route, storage
+from .. import knobs, layout, route, storage
 from ..backends import RankInfo
 from ..errors import CheckpointError
 from ..fsio import MiB, fsync_dir, make_dirs, new_hasher
 from ..logs import EVERY_RANK
+from ..sockets import open_sockets, shut_down
 from ..retention import apply_retention
 from . import PEER_DIR, Replica, rank_dir_name, rank_dirs, rank_of
 from .promoter import ORDERED, Promoter
@@ -209,8 +210,14 @@ class Link:
         import torch.distributed as dist
 
         self.rank = rank
+        before = open_sockets()
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self._sockets = open_sockets() - before  # the group's connections (checkpoint/sockets.py)
         self._buffers: list = []  # one send and one receive buffer of CHUNK bytes, made at the first transfer
+
+    def shut_down(self) -> None:
+        """The process group failed and is being left: a transfer in flight fails at once on both ends."""
+        shut_down(self._sockets)
 
     def _chunk_buffers(self):
         """Reused for every chunk: a new 16 MiB tensor per chunk costs its page faults (zeroing) every time."""
@@ -230,6 +237,7 @@ class Link:
         headers = self._duplex(dst, [self._tensor(header_out)] if dst is not None else [],
                                src, [int.from_bytes(bytes(lengths[0]), "little")] if src is not None else [])
         header_in = json.loads(bytes(headers[0]).decode()) if src is not None else None
+        time.sleep(knobs.peer_delay_s())  # test-only: a copy in flight for that long
         sending = out is not None and "error" not in out[0]
         receiving = header_in is not None and "error" not in header_in
         landing, failed = None, []
@@ -396,6 +404,13 @@ class PeerCopy(Replica):
         lags = sorted(self.lags)
         return (f"peer copy: {len(lags)} steps, {self.sent_bytes / MiB:.1f} MiB sent to rank {self.buddy}; each held "
                 f"on the next node {lags[len(lags) // 2]:.2f}s (median, max {lags[-1]:.2f}s) after its local commit")
+
+    def leave(self, timeout_s: float = 10.0) -> None:
+        """The process group failed: no further step is sent, the one in flight fails at once (its connections are
+        shut down), and the thread ends before the group is destroyed (bounded)."""
+        self._failed = self._failed or "the process group failed"
+        self.link.shut_down()
+        self._promoter.close(timeout_s)
 
     def close(self, timeout_s: float = 120.0) -> None:
         """Wait for the copies in flight (every rank sends its last step too), at most ``timeout_s`` (a buddy that
