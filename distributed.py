@@ -455,10 +455,12 @@ def _recomputed(forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def parallelize(model: torch.nn.Module, env: DistEnv, parallel: str) -> torch.nn.Module:
+def parallelize(model: torch.nn.Module, env: DistEnv, parallel: str, *, sync: bool = True) -> torch.nn.Module:
     """Data parallelism as a transform of the model: DDP (full replicas), or FSDP2 with every transformer block one
     all-gather / reduce-scatter unit, then the root (embeddings, norm, output). One process: the model unchanged.
-    Activation checkpointing (checkpoint_activations) is applied first, so FSDP's unit is the recomputed block."""
+    Activation checkpointing (checkpoint_activations) is applied first, so FSDP's unit is the recomputed block.
+    ``sync=False``: DDP skips broadcasting rank 0's weights (every rank loads the same checkpoint next: after an
+    in-process recovery that broadcast is the whole model, redone for nothing)."""
     if not env.distributed:
         return model
     if parallel == "fsdp":
@@ -469,7 +471,8 @@ def parallelize(model: torch.nn.Module, env: DistEnv, parallel: str) -> torch.nn
         fully_shard(model)
         return model
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda"
-                                                     else None)  # the device index, not local_rank: one GPU per task
+                                                     else None,  # the device index, not local_rank: one GPU per task
+                                                     init_sync=sync)
 
 
 def mean_over_ranks(value: torch.Tensor, env: DistEnv) -> torch.Tensor:

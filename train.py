@@ -657,6 +657,12 @@ def generation(args: argparse.Namespace, run: Run, prepared: Prepared, started: 
             if env.is_main:
                 say(f"error: {e}")
             return EXIT_BAD_INPUT
+        if recovered is not None and loaded.step is None:  # failed before the first save: the survivors' weights
+            if env.is_main:  # moved on from the start, and no checkpoint holds it; a fresh start is a new process's
+                say("error: the failure came before the run's first checkpoint: nothing to recover in process; the run "
+                    "starts again at the next start")
+            session.abandon()
+            return EXIT_REQUEUE
         metrics = build_metrics(args, run, prepared, loaded, in_process=recovered is not None)
         card = card_maker(args, run, prepared, started)
         if env.distributed and args.pg_timeout_seconds:
@@ -748,7 +754,7 @@ def rejoin(args: argparse.Namespace, run: Run, prepared: Prepared, member, failu
     try:
         env = distributed.join(member, args.pg_timeout_seconds or 600.0, cuda=run.env.device.type == "cuda")
         setup_logging(env.rank)
-        model = distributed.parallelize(unwrap_model(run.model), env, args.parallel)
+        model = distributed.parallelize(unwrap_model(run.model), env, args.parallel, sync=False)  # the load follows
         run.optimizer.zero_grad(set_to_none=True)  # a step cut short left gradients behind
         loader = TrainLoader(prepared.windows, args.batch_size, env.rank, env.world_size, args.seed)
         args.resume_from_checkpoint = "latest"  # the newest step every rank can reach, verified as at a restart

@@ -165,10 +165,16 @@ def test_a_waiting_spare_killed_costs_one_line(tmp_path, corpus, reference):
     _assert_bitwise(ck / "default", reference)
 
 
-def test_without_a_spare_the_ranks_end_and_a_restart_resumes_bitwise(tmp_path, corpus, reference):
-    """No spare left for the dead rank: the survivor ends (exit 3, as a requeue), and the next start resumes from the
-    last committed step: today's path, which in-process recovery only shortens."""
+def test_without_a_spare_or_a_checkpoint_the_ranks_end_and_a_restart_resumes_bitwise(tmp_path, corpus, reference):
+    """A rank dies before the first save: the survivor's weights moved on and no checkpoint holds the start, so the
+    ranks end (exit 3, as a requeue) and the next start begins afresh. Then no spare left for a dead rank: the survivor
+    ends the same way, and the next start resumes from the last committed step: today's path, which in-process
+    recovery only shortens."""
     ck, local = tmp_path / "ck", tmp_path / "local"
+    early = _launch(_args(corpus, ck, local), spares=1, env={"PYRECOVER_CRASH_AT_STEP": "2:1:kill"})
+    text = early.stdout + early.stderr
+    assert early.returncode == 3, text[-4000:]
+    assert "error: the failure came before the run's first checkpoint: nothing to recover in process" in text, text
     out = _launch(_args(corpus, ck, local), spares=0, env={"PYRECOVER_CRASH_AT_STEP": "7:1:kill"})
     text = out.stdout + out.stderr
     assert out.returncode == 3, text[-4000:]
