@@ -60,11 +60,15 @@ def hand_over(path: str) -> int | None:
     if "decline" in reply:
         return cold(short(str(reply["decline"]), 500))
     child = reply.get("pid")
-    if not (is_int(child, 1) and parent_of(child) == standby):
+    # A child that already ended (a bad flag exits at once) may be reaped before this look: no process, and its exit
+    # code still comes from the standby. A process with another parent is not the standby's child.
+    if not (is_int(child, 1) and parent_of(child) in (standby, None)):
         return cold(f"its answer names no child of the standby (pid {standby}): {short(str(reply), 100)}")
     conn.settimeout(None)  # from here the child trains: as long as it takes
 
     def forward(signum: int, _frame) -> None:
+        if parent_of(child) != standby:  # ended (its pid may be another process's by now)
+            return
         try:
             os.kill(child, signum)
         except ProcessLookupError:
