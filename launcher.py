@@ -113,7 +113,9 @@ class Launcher:
 
     def start(self) -> None:
         log(f"store {self.address}; {self.nproc} ranks, {self.spares} spares: {' '.join(self.command)}")
-        base = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", recovery.SPARE)}
+        # under srun this launcher is the step's one task: its task number is not its members' ranks
+        base = {k: v for k, v in os.environ.items()
+                if k not in ("RANK", "LOCAL_RANK", recovery.SPARE, "SLURM_PROCID", "SLURM_LOCALID")}
         base.update({recovery.STORE: self.address, "WORLD_SIZE": str(self.nproc), "LOCAL_WORLD_SIZE": str(self.nproc),
                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), LAUNCHER_PID: str(os.getpid())})
         for m in range(self.nproc + self.spares):

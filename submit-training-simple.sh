@@ -3,9 +3,11 @@
 #
 #   sbatch submit-training-simple.sh [--distributed] [--exp_name=NAME] [--continue] [--use_torch_distributed_ckpt]
 #          [--timeaware-checkpointing] [--use_flash_attention] [--log-loss-to-csv] [--fused-optimizer] [--compile]
-#          [--sequence-length=N] [--setup=FILE] [--profile-nsys] [-- any train.py flags]
+#          [--sequence-length=N] [--setup=FILE] [--spares=K] [--profile-nsys] [-- any train.py flags]
 #
-# Valued options take `--opt=VALUE` or `--opt VALUE` (--exp_name, --sequence-length, --setup).
+# Valued options take `--opt=VALUE` or `--opt VALUE` (--exp_name, --sequence-length, --setup, --spares).
+# --spares=K (with --distributed, one node): launcher.py runs the node's ranks plus K spare processes in one srun task;
+#   a rank that dies or raises is replaced by a spare in process (no restart; docs/in-process-recovery.md).
 #
 # Environment:
 #   PYTHON=/path/to/python   the interpreter that runs train.py on every node (default: `python` on PATH, after setup)
@@ -114,7 +116,7 @@ if [[ -n ${PYRECOVER_SRUN_ARGS:-} ]]; then
     read -r -d '' -a srun_extra <<< "$PYRECOVER_SRUN_ARGS" || true  # -d '': every line, not just the first
 fi
 
-distributed=0 resume=0 nsys=0
+distributed=0 resume=0 nsys=0 spares=0
 setup=${PYRECOVER_SETUP:-}
 train_args=()
 # A valued option as `--opt=VALUE` or `--opt VALUE`: sets $value and $consumed (1 extra argument taken, or 0).
@@ -135,6 +137,7 @@ while [[ $# -gt 0 ]]; do
         --exp_name | --exp_name=* | --exp-name | --exp-name=*)
             take_value "$@"; shift "$consumed"; train_args+=(--experiment_name "$value") ;;
         --setup | --setup=*) take_value "$@"; shift "$consumed"; setup=$value ;;
+        --spares | --spares=*) take_value "$@"; shift "$consumed"; spares=$value ;;
         --continue) resume=1 ;;
         --use_torch_distributed_ckpt | --use-torch-distributed-ckpt) train_args+=(--use-torch-distributed-ckpt) ;;
         --timeaware-checkpointing | --timeaware_checkpointing) train_args+=(--timeaware-checkpointing) ;;
@@ -182,8 +185,22 @@ train_args+=(--max-restarts "$MAX_RESTARTS")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 export PYTHONUNBUFFERED=1
 
+[[ $spares =~ ^[0-9]+$ ]] || die "--spares '$spares': give a whole number of spare processes (0: none)"
+if [[ $spares -gt 0 ]]; then
+    [[ $distributed == 1 ]] || die "--spares $spares needs --distributed: spares take the place of a failed rank"
+    [[ ${SLURM_JOB_NUM_NODES:-1} == 1 ]] || die "--spares $spares: in-process recovery runs on one node for now" \
+        "(this job has ${SLURM_JOB_NUM_NODES} nodes); drop --spares (a failure then restarts from latest) or use --nodes=1"
+fi
+
 launch=(srun --kill-on-bad-exit=0)
-if [[ $distributed == 1 ]]; then
+if [[ $spares -gt 0 ]]; then
+    # One task, launcher.py, which starts the node's ranks and the spares, hosts their store on 127.0.0.1, keeps the
+    # survivors of a failure alive and forwards SLURM's signals to every rank; its exit code is the ranks'.
+    ranks=${SLURM_NTASKS:-1}
+    launch+=(--ntasks=1 --nodes=1 --overcommit)
+    train_args=(--distributed "${train_args[@]}")
+    echo "job ${SLURM_JOB_ID:-?}: $ranks ranks and $spares spares on one node (launcher.py)"
+elif [[ $distributed == 1 ]]; then
     # One rank per task (= per GPU); distributed.py reads SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID. The master is the
     # first node of the allocation, the port derived from the job id (two jobs sharing a node do not collide).
     if [[ -z ${MASTER_ADDR:-} ]]; then
@@ -209,6 +226,8 @@ fi
 # in between (which SIGUSR1's default action would kill) decides the task's exit code. A setup that fails ends the
 # task with exit 2 (bad input) before python starts.
 run=("$PYTHON" "$REPO/train.py" "${train_args[@]}")
+[[ $spares -gt 0 ]] && run=("$PYTHON" "$REPO/launcher.py" --nproc "$ranks" --spares "$spares" "$REPO/train.py"
+                            "${train_args[@]}")
 if [[ -n $setup ]]; then
     # shellcheck disable=SC2016  # expanded by the task's bash, not here
     run=(bash -c 'source "$0" || { echo "submit-training-simple.sh: error: setup file $0 failed (exit $?) on $(hostname)" >&2; exit 2; }; exec "$@"'

@@ -161,3 +161,20 @@ def test_dry_run_checks_the_train_flags_here_first_and_a_bad_one_is_exit_2_befor
     assert "4 rank(s) (ddp)" in out and "check: OK: would start fresh" in out, out  # nodes x ntasks-per-node ranks
     assert out.count("srun") == 1 and out.index("check: OK") < out.index("dry run: srun"), out
     assert not ck.exists()  # the check writes nothing
+
+
+def test_spares_run_launcher_py_as_one_task_and_are_refused_without_distributed_or_on_several_nodes():
+    """--spares K: one srun task, launcher.py, with the job's ranks and K spares (tests/slurm/test_recovery.py runs it
+    on the SLURM test cluster). Without --distributed, on several nodes, or not a number: one line, exit 2."""
+    argv = command(dry_run("--distributed", "--spares", "2", "--", "--training-steps", "3",
+                           env={"SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "1"}))
+    i = argv.index("srun")
+    assert argv[i + 1:i + 5] == ["--kill-on-bad-exit=0", "--ntasks=1", "--nodes=1", "--overcommit"], argv
+    assert argv[i + 5:i + 11] == ["python3", f"{ROOT}/launcher.py", "--nproc", "4", "--spares", "2"], argv
+    assert after(argv)[:3] == ["--distributed", "--training-steps", "3"], argv
+    for args, env, says in [(["--spares=1"], {}, "needs --distributed"),
+                            (["--distributed", "--spares=1"], {"SLURM_JOB_NUM_NODES": "2"}, "runs on one node"),
+                            (["--distributed", "--spares=x"], {}, "whole number")]:
+        proc = dry_run(*args, env=env)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc
+        assert "dry run" not in proc.stdout
