@@ -43,7 +43,8 @@ PYRECOVER_TEST_EVAL_SLEEP=SECONDS              evaluation.py (evaluate)         
   run, or sends a stop signal, in the middle of an evaluation).
 PYRECOVER_CRASH_AT_STEP=k[:rank[:MODE[:PHASE]]] train.py                            test-only    crash_at_step(),
                                                                                                  install_crash_hook()
-  ``rank`` (default 0) dies in step k: MODE ``kill`` (SIGKILL, default), ``raise`` or ``hang``; PHASE ``forward``
+  ``rank`` (default 0) dies in step k: MODE ``kill`` (SIGKILL, default), ``raise``, ``hang`` or ``lose`` (its node
+  lost: every folder matching the glob PYRECOVER_CRASH_LOSE is removed, then SIGKILL); PHASE ``forward``
   (default: right after the forward pass, before backward and its all-reduce), ``backward`` (as the first
   parameter's gradient is made: DDP's all-reduce of the later buckets is under way), ``optimizer`` (as the optimizer
   step begins, after the all-reduce) or ``eval`` (in the evaluation after step k).
@@ -280,6 +281,12 @@ def install_crash_hook(model, rank: int, current_step) -> None:
             if mode == "hang":
                 while True:
                     time.sleep(3600)
+            if mode == "lose":  # the node's disk goes with it (an emulated node's folder in the tier)
+                import glob
+                import shutil
+
+                for folder in glob.glob(os.environ.get("PYRECOVER_CRASH_LOSE", "")):
+                    shutil.rmtree(folder, ignore_errors=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
         return crash
