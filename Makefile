@@ -24,7 +24,7 @@ help:
 	@echo "make train      set up .venv, build the embedded dataset, train the 'small' preset ($(STEPS) steps, checkpoints)"
 	@echo "                (ARGS=\"train.py flags\"; a stop that saved its state -- Ctrl-C, SIGTERM -- exits 0 and resumes next time)"
 	@echo "make test       the full test suite (pytest; real CLI, torchrun/gloo, SLURM and S3 where available)"
-	@echo "make faults K=N fault injection: K kill/resume trials (every 4th an overlap: frozen run, takeover, fenced) over backends x 1,2 ranks (+ JIT); ARGS=\"--seed S --json F\""
+	@echo "make faults K=N fault injection: K kill/resume trials (every 4th an overlap: frozen run, takeover, fenced) over backends x 1,2 ranks (+ JIT, + 2 ranks under launcher.py with a spare: rank kills, in-process recovery); ARGS=\"--seed S --json F\""
 	@echo "make bench      the byte path against the machine's limits (CPU/GiB vs memcpy, vs O_DIRECT, training overhead vs DCP, resume): results/bench_targets.{md,json,png}"
 	@echo "make bench-detail  per-backend save/load/burst/throughput tables: results/checkpoint_bench.{md,png}"
 	@echo "make bench-mirror  training stall: checkpoints straight to S3 (SeaweedFS) vs local disk + --mirror-dir s3://: results/mirror.{md,json}; ARGS=\"--repeats N --steps N --every N\""

@@ -27,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", default=None, help="comma-separated subset of checkpoint.backends.BACKENDS")
     p.add_argument("--world-sizes", default="1,2", help="comma-separated, e.g. 1,2")
     p.add_argument("--no-jit", action="store_true", help="leave out the 2-rank --jit-checkpoint configuration")
+    p.add_argument("--spares", type=int, default=1,
+                   help="spares of the in-process configuration (2 ranks under launcher.py, node-local tier; kill "
+                        "trials only); with --max-kills 2 a trial's second kill finds none left: exit 3 and a restart. "
+                        "0 leaves the configuration out (default: %(default)s)")
     p.add_argument("--dataset", default=str(DEFAULT_DATASET), help="parquet file (make data builds the default)")
     p.add_argument("--workdir", default=None,
                    help="where runs write checkpoints (default: a temporary folder in /dev/shm if there is one: the "
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             args.trials, seed, args.dataset, workdir, steps=args.steps, max_kills=args.max_kills,
             backends=args.backends.split(",") if args.backends else None,
             world_sizes=tuple(int(w) for w in args.world_sizes.split(",")), jit=not args.no_jit,
-            keep=args.keep, kinds=kinds, log=lambda m: print(m, flush=True))
+            keep=args.keep, kinds=kinds, spares=max(0, args.spares), log=lambda m: print(m, flush=True))
     finally:
         if not args.workdir and not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
