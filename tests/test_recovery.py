@@ -108,7 +108,7 @@ def test_a_rank_lost_with_a_drain_and_a_peer_copy_in_flight_recovers_in_process_
     SIGKILLed in step 6 and raises in step 10, each time while the drain of the step before last (4, 8) and a peer
     copy are in flight on every rank."""
     text = _recovered(tmp_path, corpus, reference, "6:1:kill,10:1:raise", spares=1, resumed=[4, 8],
-                      env={"PYRECOVER_TEST_RANKS_PER_NODE": "1", "PYRECOVER_DRAIN_DELAY_S": "0.5",
+                      env={"PYRECOVER_TEST_RANKS_PER_NODE": "1", "PYRECOVER_DRAIN_DELAY_S": "1.0",
                            "PYRECOVER_PEER_DELAY_S": "1.5"}, extra=("--peer-checkpoint",))
     killed = text.index("[crash] rank 1: kill")
     drained = re.search(r"checkpoint step 4 committed in the shared tier", text)
