@@ -57,6 +57,10 @@ def down_key(g: int) -> str:
     return f"down/{g}"
 
 
+def here_key(g: int, member: int) -> str:
+    return f"here/{g}/{member}"
+
+
 def stepped_key(g: int) -> str:
     return f"stepped/{g}"
 
@@ -139,8 +143,8 @@ class Member:
         """Before this generation's group is built: say this member is here and wait until every rank's member is
         (True), or until the launcher marks the generation down (False: one died before it joined)."""
         g = self.generation
-        self.store.set(f"here/{g}/{self.member}", b"1")
-        keys = [f"here/{g}/{m}" for m in self.plan.ranks]
+        self.store.set(here_key(g, self.member), b"1")
+        keys = [here_key(g, m) for m in self.plan.ranks]
         while not self.store.check(keys):
             if self.store.check([down_key(g)]):
                 return False

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import importlib
 import json
 import logging
@@ -25,7 +24,6 @@ import signal
 import sys
 import time
 import traceback
-import weakref
 from pathlib import Path
 
 _PARSED: argparse.Namespace | None = None  # the flags train.py's first lines parsed, run as a program (main takes them)
@@ -726,12 +724,9 @@ def tear_down(run: Run, session, metrics: Metrics | None, failure: Failure) -> F
     session.abandon()
     if metrics is not None:
         metrics.close()
-    distributed.release_wrapper(run.model)
-    wrapper = weakref.ref(run.model)
+    wrapper = distributed.release_wrapper(run.model)
     run.model = unwrap_model(run.model)
-    if wrapper() is not None:  # still referenced from a cycle: collected before the group goes (a full collection
-        gc.collect()           # costs 0.2-0.7 s here, so only when the references did not end with the wrapper)
-    distributed.abort(run.env)
+    distributed.leave(run.env, wrapper)
     failure.teardown_s = time.time() - failure.seen
     return failure
 
@@ -773,11 +768,9 @@ def rejoin(args: argparse.Namespace, run: Run, prepared: Prepared, member, failu
             f"generation {plan.generation}; leaving it, keeping the process")
         if session is not None:
             session.abandon()
-        if model is not None:
-            distributed.release_wrapper(model)
+        wrapper = distributed.release_wrapper(model) if model is not None else None
         model = None
-        gc.collect()
-        distributed.abort(env or run.env)
+        distributed.leave(env or run.env, wrapper)
         again.teardown_s = time.time() - again.seen
         return again
     run = dataclasses.replace(run, env=env, model=torch.compile(model) if args.compile else model, loader=loader,
