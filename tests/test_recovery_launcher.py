@@ -2,7 +2,9 @@
 recovery.py's protocol (connect, wait_plan, alive and failed keys, exit codes) and does what the test asks through the
 store. A killed rank's place goes to a spare while the survivor keeps its process; a rank that raises keeps its rank;
 without a spare the plan aborts and the ranks' exit code is the job's; a spare's death costs a line; bad usage, one
-line and exit 2."""
+line and exit 2. Two nodes: two launchers on this machine (--nnodes 2, node 0 hosts the store on 127.0.0.1); a rank
+killed on node 1 goes to node 1's spare, then node 1 lost (its launcher and members SIGKILLed: no heartbeat) gives its
+rank to node 0's spare, and the end reaches every node."""
 
 from __future__ import annotations
 
@@ -119,8 +121,8 @@ class Job:
         rank, pid = json.loads(self.wait_key(f"serving/{g}/{m}"))
         return rank, pid
 
-    def plan(self, g: int) -> dict:
-        plan = json.loads(self.wait_key(f"plan/{g}"))
+    def plan(self, g: int, timeout: float = 60) -> dict:
+        plan = json.loads(self.wait_key(f"plan/{g}", timeout))
         for failure in plan.get("failed", []):  # when the launcher saw it: a time, checked apart
             assert isinstance(failure.pop("at"), float)
         return plan
@@ -167,6 +169,86 @@ def job(tmp_path):
     yield start
     for j in jobs:
         j.close()
+
+
+class TwoNodes(Job):
+    """Node 0 as Job starts it, plus node 1's launcher (its lines join the same list)."""
+
+    def __init__(self, tmp_path, *flags: str):
+        port = free_port()
+        common = ("--nnodes", "2", "--store", f"127.0.0.1:{port}", "--node-timeout", "1.5", *flags)
+        super().__init__(tmp_path, *common, "--node-rank", "0")
+        self.follower = subprocess.Popen([PY, str(ROOT / "launcher.py"), *common, "--node-rank", "1",
+                                          str(tmp_path / "member.py")], stderr=subprocess.PIPE,
+                                         stdout=subprocess.DEVNULL, text=True, cwd=ROOT, env=env_for_tests())
+        threading.Thread(target=self._read_follower, daemon=True).start()
+
+    def _read_follower(self):
+        for line in self.follower.stderr:
+            self.lines.append(line.rstrip("\n"))
+
+    def close(self):
+        if self.follower.poll() is None:
+            self.follower.kill()
+        self.follower.wait()
+        super().close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    jobs = []
+
+    def start(*flags):
+        jobs.append(TwoNodes(tmp_path, *flags))
+        return jobs[-1]
+
+    yield start
+    for j in jobs:
+        j.close()
+
+
+def test_two_nodes_a_rank_goes_to_its_nodes_spare_then_a_lost_node_to_the_other_nodes(two_nodes):
+    j = two_nodes("--nproc", "1", "--spares", "1")  # node 0: member 0 rank 0, member 1 spare; node 1: 2 rank 1, 3
+    pids = j.member_pids(4)
+    assert j.plan(0)["ranks"] == {"0": 0, "2": 1}
+    j.serving(0, 0), j.serving(0, 2)
+    os.kill(pids[2], signal.SIGKILL)
+    plan = j.plan(1)
+    assert plan["ranks"] == {"0": 0, "3": 1}, plan  # node 1's own spare
+    assert j.serving(1, 0) == (0, pids[0]) and j.serving(1, 3) == (1, pids[3])
+    j.wait_line(r"launcher: generation 1: rank 1 \(member 2, pid \d+\) died \(SIGKILL\); member 3 \(spare\) "
+                r"takes rank 1 on node 1; 1 spares left")
+    lost = time.monotonic()
+    j.follower.kill()  # node 1 lost: its launcher and its members at once
+    os.kill(pids[3], signal.SIGKILL)
+    plan = j.plan(2, timeout=30)
+    assert time.monotonic() - lost >= 1.0  # the heartbeat's silence, not an exit report, told node 0
+    assert plan["ranks"] == {"0": 0, "1": 1}, plan
+    assert plan["failed"][0]["member"] == 3 and plan["failed"][0]["how"].startswith("node 1 (") and \
+        "lost: no heartbeat for" in plan["failed"][0]["how"], plan
+    assert j.serving(2, 0) == (0, pids[0]) and j.serving(2, 1) == (1, pids[1])
+    assert j.end(0) == 0
+    out = j.output()
+    assert re.search(r"launcher: node 1 \(\S+\) lost: no heartbeat for [\d.]+s; its members count as dead", out), out
+    assert "member 1 (spare) takes rank 1 on node 0; 0 spares left" in out, out
+
+
+def test_two_nodes_end_together_and_the_other_nodes_spare_goes_home(two_nodes):
+    j = two_nodes("--nproc", "1", "--spares", "1")
+    j.member_pids(4)
+    j.serving(0, 0), j.serving(0, 2)
+    assert j.end(4) == 4  # both ranks "stopped"
+    assert j.follower.wait(30) == 4
+    out = j.output()
+    assert "member 3: done 4" in out and "member 1: done 4" in out, out
 
 
 def test_clean_end_sends_the_spares_home(job):
@@ -296,6 +378,8 @@ def test_signals_reach_every_member(job):
     (["--nproc", "0", "x.py"], "--nproc must be at least 1"),
     (["--nproc", "1", "--spares", "-1", "x.py"], "--spares must be 0 or more"),
     (["--nproc", "two", "x.py"], "invalid int value"),
+    (["--nproc", "1", "--nnodes", "2", "--node-rank", "1", "x.py"], "--nnodes 2 needs --store HOST:PORT"),
+    (["--nproc", "1", "--nnodes", "2", "--node-rank", "2", "--store", "h:1", "x.py"], "is not a node of --nnodes 2"),
 ])
 def test_bad_usage_is_one_line_and_exit_2(argv, says):
     proc = subprocess.run([PY, str(ROOT / "launcher.py"), *argv], capture_output=True, text=True, timeout=60,
