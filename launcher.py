@@ -17,8 +17,9 @@ Node 0 watches generation g's ranks (every ~5 ms):
   SIGKILLed as hung), plan g+1 keeps each survivor in its rank and process and gives each dead rank to a waiting spare,
   one on the dead rank's node first, else the lowest elsewhere; with too few spares it says abort, and the ranks end as
   a restart expects;
-- a node whose launcher has not beaten for --node-timeout seconds is lost: its members count as dead (SIGKILL'd by
-  their launcher's death, or ended by it when it hears it was given up);
+- a node whose launcher has not beaten for --node-timeout seconds (SETTLING_SILENCE_S while a failure is being
+  settled and the node's rank has not answered) is lost: its members count as dead (SIGKILLed by their launcher's
+  death, or ended by it when it hears it was given up);
 - a generation after a recovery that fails before its first step (recovery.py's stepped key) did not get anywhere:
   after MAX_STALLED such generations in a row (a failure that repeats, e.g. a bug at the load) the plan says abort.
 Exit code: the last generation's ranks' (the largest where they differ; one that died counts as 1), on every node.
@@ -54,6 +55,9 @@ MAX_STALLED = 3
 BEAT_S = 0.2  # a node's launcher beats this often
 ORDERS_S = 0.05  # and looks for node 0's orders this often
 START_GRACE_S = 120.0  # a node that never beat is lost only after this (srun may start the tasks seconds apart)
+#: while a failure is being settled and a node's rank has neither died nor answered, that node is lost after this much
+#: silence (ten missed beats) rather than the whole --node-timeout: the survivors already saw its connections close
+SETTLING_SILENCE_S = 2.0
 BYE_S = 10.0  # node 0 keeps its store up this long for the others to hear the end
 LOST = -1000  # rc() of a member whose node was lost (not an exit code, not a signal)
 
@@ -222,6 +226,7 @@ class Launcher:
         self.lost: dict[int, str] = {}  # node -> why
         self.exit_counts = {n: 0 for n in range(1, self.nnodes)}
         self.looked = 0.0
+        self.settling = False  # a failure is being settled (settle): a silent node is given up sooner
 
     # -- processes -------------------------------------------------------------------------------------------------
 
@@ -300,7 +305,8 @@ class Launcher:
             last, since = self.beats[n]
             if beat != last:
                 self.beats[n] = (beat, now)
-            elif now - since > (self.node_timeout if last > 0 else START_GRACE_S):
+            elif now - since > (START_GRACE_S if last <= 0 else min(self.node_timeout, SETTLING_SILENCE_S)
+                                if self.settling else self.node_timeout):
                 self.lost[n] = f"no heartbeat for {now - since:.1f}s"
                 self.store.set(_key("lost", n), b"1")  # should it still be there, it ends its members itself
                 self.store.add(_key("orders", n), 1)
@@ -395,14 +401,18 @@ class Launcher:
         within the recovery timeout (hung), and return them."""
         deadline = time.monotonic() + self.timeout
         pending = list(self.plan.ranks)
-        while pending:
-            pending = [m for m in pending if self.rc(m) is None and not self.has(recovery.alive_key(g + 1, m))]
-            if pending and time.monotonic() > deadline:
-                for m in pending:
-                    self.kill(m)
-                return set(pending)
-            self.tick()
-        return set()
+        self.settling = True
+        try:
+            while pending:
+                pending = [m for m in pending if self.rc(m) is None and not self.has(recovery.alive_key(g + 1, m))]
+                if pending and time.monotonic() > deadline:
+                    for m in pending:
+                        self.kill(m)
+                    return set(pending)
+                self.tick()
+            return set()
+        finally:
+            self.settling = False
 
     def failure(self, g: int, m: int, rc: int | None, hung: bool) -> dict:
         """The plan's record of member ``m``'s part in ending ``g``: its own words if it left any, else its death."""

@@ -6,8 +6,9 @@
 #          [--sequence-length=N] [--setup=FILE] [--spares=K] [--profile-nsys] [-- any train.py flags]
 #
 # Valued options take `--opt=VALUE` or `--opt VALUE` (--exp_name, --sequence-length, --setup, --spares).
-# --spares=K (with --distributed, one node): launcher.py runs the node's ranks plus K spare processes in one srun task;
-#   a rank that dies or raises is replaced by a spare in process (no restart; docs/in-process-recovery.md).
+# --spares=K (with --distributed): launcher.py runs each node's ranks plus K spare processes in one srun task per node;
+#   a rank that dies or raises, or a lost node's, is replaced by a spare in process -- one on its node first, else
+#   another node's -- and the survivors keep their processes (no restart; docs/in-process-recovery.md).
 #
 # Environment:
 #   PYTHON=/path/to/python   the interpreter that runs train.py on every node (default: `python` on PATH, after setup)
@@ -188,18 +189,34 @@ export PYTHONUNBUFFERED=1
 [[ $spares =~ ^[0-9]+$ ]] || die "--spares '$spares': give a whole number of spare processes (0: none)"
 if [[ $spares -gt 0 ]]; then
     [[ $distributed == 1 ]] || die "--spares $spares needs --distributed: spares take the place of a failed rank"
-    [[ ${SLURM_JOB_NUM_NODES:-1} == 1 ]] || die "--spares $spares: in-process recovery runs on one node for now" \
-        "(this job has ${SLURM_JOB_NUM_NODES} nodes); drop --spares (a failure then restarts from latest) or use --nodes=1"
+    nodes=${SLURM_JOB_NUM_NODES:-1} ranks=${SLURM_NTASKS:-1}
+    (( ranks % nodes == 0 )) || die "--spares $spares: the job's $ranks tasks do not split evenly over its $nodes" \
+        "nodes; ask for --ntasks-per-node (each node runs the same number of ranks)"
 fi
 
 launch=(srun --kill-on-bad-exit=0)
+rc_file=
 if [[ $spares -gt 0 ]]; then
-    # One task, launcher.py, which starts the node's ranks and the spares, hosts their store on 127.0.0.1, keeps the
-    # survivors of a failure alive and forwards SLURM's signals to every rank; its exit code is the ranks'.
-    ranks=${SLURM_NTASKS:-1}
-    launch+=(--ntasks=1 --nodes=1 --overcommit)
+    # One task per node, launcher.py, which starts the node's ranks and spares, keeps the survivors of a failure alive
+    # and forwards SLURM's signals to them; its exit code is the ranks'. One node: the store on 127.0.0.1. Several:
+    # node 0's launcher hosts it on the first node's address and decides; a node that goes silent is lost and its
+    # ranks go to spares elsewhere, so SLURM must not end the step or the job for it (--no-kill). srun's own code then
+    # counts the lost node's task: the job's is what node 0's launcher wrote to rc_file (node 0 runs this script).
+    per_node=$((ranks / nodes))
+    launcher=(--nproc "$per_node" --spares "$spares")
+    if [[ $nodes == 1 ]]; then
+        launch+=(--ntasks=1 --nodes=1 --overcommit)
+        echo "job ${SLURM_JOB_ID:-?}: $ranks ranks and $spares spares on one node (launcher.py)"
+    else
+        store_host=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" 2>/dev/null | head -n 1)
+        store_port=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
+        rc_file=${TMPDIR:-/tmp}/pyrecover-launcher-${SLURM_JOB_ID:-0}-$restart.rc
+        launch+=(--nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1 --overcommit --no-kill)
+        launcher+=(--nnodes "$nodes" --store "${store_host:-localhost}:$store_port" --rc-file "$rc_file")
+        echo "job ${SLURM_JOB_ID:-?}: $per_node ranks and $spares spares on each of $nodes nodes (launcher.py, store" \
+             "${store_host:-localhost}:$store_port)"
+    fi
     train_args=(--distributed "${train_args[@]}")
-    echo "job ${SLURM_JOB_ID:-?}: $ranks ranks and $spares spares on one node (launcher.py)"
 elif [[ $distributed == 1 ]]; then
     # One rank per task (= per GPU); distributed.py reads SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID. The master is the
     # first node of the allocation, the port derived from the job id (two jobs sharing a node do not collide).
@@ -226,8 +243,7 @@ fi
 # in between (which SIGUSR1's default action would kill) decides the task's exit code. A setup that fails ends the
 # task with exit 2 (bad input) before python starts.
 run=("$PYTHON" "$REPO/train.py" "${train_args[@]}")
-[[ $spares -gt 0 ]] && run=("$PYTHON" "$REPO/launcher.py" --nproc "$ranks" --spares "$spares" "$REPO/train.py"
-                            "${train_args[@]}")
+[[ $spares -gt 0 ]] && run=("$PYTHON" "$REPO/launcher.py" "${launcher[@]}" "$REPO/train.py" "${train_args[@]}")
 if [[ -n $setup ]]; then
     # shellcheck disable=SC2016  # expanded by the task's bash, not here
     run=(bash -c 'source "$0" || { echo "submit-training-simple.sh: error: setup file $0 failed (exit $?) on $(hostname)" >&2; exit 2; }; exec "$@"'
@@ -274,8 +290,14 @@ echo "$(date -u +%FT%TZ) run $((restart + 1)) of job ${SLURM_JOB_ID:-?}${SLURM_A
 # waits for its task until SLURM ends the job (NODE_FAIL) and requeues it.
 inplace=0
 while true; do
+    [[ -n $rc_file ]] && rm -f "$rc_file"
     "${launch[@]}" "${run[@]}"
     rc=$?
+    if [[ -n $rc_file && -s $rc_file ]]; then  # node 0's launcher: the ranks' code, whatever a lost node did to srun's
+        launcher_rc=$(<"$rc_file")
+        [[ $launcher_rc != "$rc" ]] && echo "srun exit code $rc; the launchers' (the ranks') exit code $launcher_rc"
+        rc=$launcher_rc
+    fi
     echo "$(date -u +%FT%TZ) train.py exit code $rc"
     case $rc in 0 | 2 | 3 | 4 | 5 | 6) break ;; esac
     if [[ $inplace -ge $INPLACE_RESTARTS ]]; then

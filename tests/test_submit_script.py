@@ -163,17 +163,30 @@ def test_dry_run_checks_the_train_flags_here_first_and_a_bad_one_is_exit_2_befor
     assert not ck.exists()  # the check writes nothing
 
 
-def test_spares_run_launcher_py_as_one_task_and_are_refused_without_distributed_or_on_several_nodes():
-    """--spares K: one srun task, launcher.py, with the job's ranks and K spares (tests/slurm/test_recovery.py runs it
-    on the SLURM test cluster). Without --distributed, on several nodes, or not a number: one line, exit 2."""
+def test_spares_run_launcher_py_as_one_task_per_node_and_are_refused_without_distributed():
+    """--spares K: one srun task per node, launcher.py, with the node's ranks and K spares; on several nodes node 0's
+    hosts the store on the first node and SLURM must not end the job for a lost node (tests/slurm/test_recovery.py
+    runs both on the SLURM test cluster). Without --distributed, uneven nodes, or not a number: one line, exit 2."""
     argv = command(dry_run("--distributed", "--spares", "2", "--", "--training-steps", "3",
                            env={"SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "1"}))
     i = argv.index("srun")
     assert argv[i + 1:i + 5] == ["--kill-on-bad-exit=0", "--ntasks=1", "--nodes=1", "--overcommit"], argv
     assert argv[i + 5:i + 11] == ["python3", f"{ROOT}/launcher.py", "--nproc", "4", "--spares", "2"], argv
     assert after(argv)[:3] == ["--distributed", "--training-steps", "3"], argv
+    argv = command(dry_run("--distributed", "--spares", "1", "--", "--training-steps", "3",
+                           env={"SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "77",
+                                "SLURM_JOB_NODELIST": "gpu7,gpu8", "TMPDIR": "/scratch"}))
+    i = argv.index("srun")
+    assert argv[i + 1:i + 7] == ["--kill-on-bad-exit=0", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1",
+                                 "--overcommit", "--no-kill"], argv
+    host = argv[argv.index("--store") + 1].rsplit(":", 1)[0]  # scontrol's first host where it runs, else localhost
+    assert host in ("gpu7", "localhost"), argv
+    assert argv[i + 7:i + 20] == ["python3", f"{ROOT}/launcher.py", "--nproc", "2", "--spares", "1", "--nnodes", "2",
+                                  "--store", f"{host}:20077", "--rc-file", "/scratch/pyrecover-launcher-77-0.rc",
+                                  f"{ROOT}/train.py"], argv
     for args, env, says in [(["--spares=1"], {}, "needs --distributed"),
-                            (["--distributed", "--spares=1"], {"SLURM_JOB_NUM_NODES": "2"}, "runs on one node"),
+                            (["--distributed", "--spares=1"], {"SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "3"},
+                             "do not split evenly"),
                             (["--distributed", "--spares=x"], {}, "whole number")]:
         proc = dry_run(*args, env=env)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc

@@ -65,9 +65,12 @@ class NodeLocal(FirstPlace):
                   file=sys.stderr, flush=True)
         tier = LocalTier(places.local.root, rank, leader=leader, identity=identity, keep=s.local_keep,
                          copies=2 if order else 1, generation=generation, setting=places.local.setting, spares=spares)
-        if not order:
+        if not s.peer:
             return cls(tier)
         link = Link(rank, timeout_s=s.peer_timeout_s)  # collective: every rank, in the same order
+        if not order:  # nothing to send now, but the copies this node keeps still serve a load: after an in-process
+            # recovery a lost node's ranks may run here, and their newest parts are the copies kept for them
+            return cls(tier, [PeerCopy(tier, link, buddy=None, source=None, keep=s.local_keep, run_id=run_id)])
         scope = None
         if knobs.emulated_nodes():  # one host, one local folder: each emulated node holds only what its ranks wrote
             mates = [r for r, name in enumerate(nodes) if name == nodes[rank.rank]]

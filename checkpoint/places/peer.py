@@ -316,15 +316,18 @@ class Link:
 
 
 class PeerCopy(Replica):
-    """This rank's side of the peer place: sends its committed local steps to ``buddy`` and keeps ``source``'s."""
+    """This rank's side of the peer place: sends its committed local steps to ``buddy`` and keeps ``source``'s. With
+    neither (the job runs on one node now, or on nodes of unequal size) it sends nothing and only serves restores from
+    the copies this node keeps."""
 
-    def __init__(self, tier: LocalTier, link: Link, *, buddy: int, source: int, keep: int, run_id: str,
+    def __init__(self, tier: LocalTier, link: Link, *, buddy: int | None, source: int | None, keep: int, run_id: str,
                  scope: set[str] | None = None):
         """``scope``: the folders (relative to the run's folder) this node holds, where one host emulates several
         nodes that share one local folder (knobs.node_name); None: every folder there is this node's."""
         self.tier, self.link, self.buddy, self.source, self.scope = tier, link, buddy, source, scope
         self.run_folder = tier.root.parent
-        self.root = self.run_folder / PEER_DIR / rank_dir_name(source)  # the copies kept here for ``source``
+        # the copies kept here for ``source``
+        self.root = self.run_folder / PEER_DIR / rank_dir_name(source) if source is not None else None
         self.keep, self.run_id = max(keep, 1), run_id
         self._failed: str | None = None
         self._said_first = False
@@ -340,7 +343,7 @@ class PeerCopy(Replica):
         """``step_dir``: this rank's committed local part of ``step``, protected from local retention while it is sent;
         None: this rank's save of ``step`` failed, and its buddy, which saved that step, is told so instead of waiting
         (every rank submits every step the policy saved, so the transfers stay paired)."""
-        if self._failed is not None:
+        if self._failed is not None or self.buddy is None:
             return
         self._promoter.submit(step, (step_dir, time.monotonic()))
 
@@ -399,15 +402,19 @@ class PeerCopy(Replica):
     def summary(self) -> str:
         """How far the copies on the next node trailed the local commits (the steps a lost node can cost beyond the
         local interval)."""
+        if self.buddy is None:
+            return ""
         if not self.lags:
             return "peer copy: no step sent" + (f" ({self._failed})" if self._failed else "")
         lags = sorted(self.lags)
         return (f"peer copy: {len(lags)} steps, {self.sent_bytes / MiB:.1f} MiB sent to rank {self.buddy}; each held "
                 f"on the next node {lags[len(lags) // 2]:.2f}s (median, max {lags[-1]:.2f}s) after its local commit")
 
-    def leave(self, timeout_s: float = 10.0) -> None:
+    def leave(self, timeout_s: float = 0.5) -> None:
         """The process group failed: no further step is sent, the one in flight fails at once (its connections are
-        shut down), and the thread ends before the group is destroyed (bounded)."""
+        shut down), and the thread ends before the group is destroyed -- unless it waits to receive from a peer that
+        died before it sent: gloo fails that receive only at the group's timeout and offers no way to cancel it, so
+        the thread is left to end then (it holds its link and buffers; whatever it was landing is discarded)."""
         self._failed = self._failed or "the process group failed"
         self.link.shut_down()
         self._promoter.close(timeout_s)
@@ -584,14 +591,21 @@ class PeerCopy(Replica):
                         pass
 
     def clear(self) -> None:
-        """The copies kept here for ``source`` go (a fresh start, or a clean end: everything is in the shared tier)."""
-        for info in layout.list_checkpoints(self.root):
+        """The copies kept here for ``source`` go (a fresh start, or a clean end: everything is in the shared tier);
+        without a source, every copy this node keeps."""
+        peer = self.run_folder / PEER_DIR
+        for root in [self.root] if self.root is not None else rank_dirs(peer):
+            for info in layout.list_checkpoints(root):
+                try:
+                    layout.remove_step_dir(info.path, "move them out of the local tier")
+                except (OSError, CheckpointError):
+                    pass
+            shutil.rmtree(root / _staging(self.run_id), ignore_errors=True)
             try:
-                layout.remove_step_dir(info.path, "move them out of the local tier")
-            except (OSError, CheckpointError):
+                root.rmdir()
+            except OSError:
                 pass
-        shutil.rmtree(self.root / _staging(self.run_id), ignore_errors=True)
-        for folder in (self.root, self.root.parent, self.run_folder):  # the last rank of the node to clear
+        for folder in (peer, self.run_folder):  # the last rank of the node to clear
             try:
                 folder.rmdir()
             except OSError:

@@ -70,7 +70,6 @@ class LocalTier(Replica):
         self._held: set[int] = set()  # this rank's committed steps here, as last seen: named if the folder vanishes
         self.root = base / rank_dir_name(rank.rank)
         self.private()  # refused before anything is read from there
-        self.leader_root = base / rank_dir_name(leader)
         self.rank, self.leader, self.keep = rank, leader, max(keep, 1)
         self.copies = copies  # 2 with a peer copy: this node also keeps another node's part (peer.py)
         self.generation = generation  # the lease generation writing here: which line a part belongs to (abandoned)
@@ -78,7 +77,8 @@ class LocalTier(Replica):
         self._writing = route.of(self.root)
         self._checked_space = False
         self.spares = Spares(self.root / SPARE_DIR) if spares else None
-        self._leader_manifests: dict[Path, dict] = {}  # by local step folder: the leader's manifest ``usable`` checked
+        self._leader_manifests: dict[Path, tuple[Path, dict]] = {}  # by local step folder: the part holding its
+        # shared pieces and its manifest, as ``usable`` checked them
 
     def private(self) -> None:
         """The run's folder in the tier, 0700 and this user's (checkpoint/nodetrust.py): the tier sits in a folder every
@@ -194,31 +194,38 @@ class LocalTier(Replica):
 
     def usable(self, info: layout.CheckpointInfo, shared: dict | None = None,
                ahead: layout.VerifiedAhead | None = None) -> bool:
-        """Verify ``info`` (this rank's part and its leader's) and that it names this run; its bytes stay in
-        ``info.verified`` for the load. ``shared``: the shared tier's manifest of the same step, when the shared tier
-        holds it; then every file of the local copy (its leader's part too) must be one that manifest records, with the
-        same size and checksum, or the rank loads the shared copy: a local manifest sits beside the files it vouches
-        for, and whoever can change them can reseal it. A step that fails is removed, with one line saying why."""
+        """Verify ``info`` (this rank's part and the part holding its shared pieces) and that it names this run; its
+        bytes stay in ``info.verified`` for the load. The shared pieces are where the part says they were written: in
+        the part itself if this rank was its node's leader then, else in that leader's part -- after an in-process
+        recovery a rank may run on another node, under another leader, and load a part (a peer copy) written as its
+        old node's leader. ``shared``: the shared tier's manifest of the same step, when the shared tier holds it;
+        then every file of the local copy (the leader's part too) must be one that manifest records, with the same
+        size and checksum, or the rank loads the shared copy: a local manifest sits beside the files it vouches for,
+        and whoever can change them can reseal it. A step that fails is removed, with one line saying why."""
         try:
-            info.manifest = self._verified(info.path, info.verified, shared, ahead)
-            leader = info.manifest
-            if self.leader_root != self.root:
-                leader = self._verified(self.leader_root / info.path.name, info.verified, shared, ahead)
+            info.manifest = self._verified(info.path, info.verified, shared, ahead, self.rank.rank)
+            leader, leader_dir = info.manifest, info.path
+            written_under = info.manifest.get("meta", {}).get("tier", {}).get("leader", self.leader)
+            if written_under != self.rank.rank:
+                leader_dir = self.root.parent / rank_dir_name(written_under) / info.path.name
+                leader = self._verified(leader_dir, info.verified, shared, ahead, written_under)
         except CheckpointError as e:
             info.verified.clear()
             self._remove(info, f"not usable ({e})")
             return False
-        self._leader_manifests[info.path] = leader  # the load reads the shared pieces as checked here, not re-read
+        self._leader_manifests[info.path] = (leader_dir, leader)  # the load reads the shared pieces as checked here
         return True
 
     def _verified(self, step_dir: Path, keep: dict | None, shared: dict | None,
-                  ahead: layout.VerifiedAhead | None = None) -> dict:
+                  ahead: layout.VerifiedAhead | None, rank: int) -> dict:
+        """``step_dir``'s manifest, verified, naming this run and ``rank``; a part of another rank must have been
+        written as its node's leader (the one holding the shared pieces)."""
         manifest = layout.verify(step_dir, keep=keep, ahead=ahead)
-        mine = {k: v for k, v in manifest.get("meta", {}).get("tier", {}).items() if k in self.identity}
-        if step_dir.parent == self.leader_root:
-            mine = {**mine, "rank": self.rank.rank}  # the leader's part names the leader
-        if mine != self.identity:
-            differs = sorted(k for k in self.identity if mine.get(k) != self.identity[k])
+        tier = manifest.get("meta", {}).get("tier", {})
+        expected = {**self.identity, "rank": rank, "leader": rank if rank != self.rank.rank else tier.get("leader")}
+        mine = {k: v for k, v in tier.items() if k in expected}
+        if mine != expected:
+            differs = sorted(k for k in expected if mine.get(k) != expected[k])
             raise CheckpointError(f"written by another run, job or layout ({', '.join(differs)} differ)")
         if shared is not None:
             whose = "" if step_dir.parent == self.root else f" of its node leader's part {step_dir}"
@@ -229,7 +236,7 @@ class LocalTier(Replica):
         """Restore ``state`` from this rank's part of ``info`` and its leader's shared pieces, both as ``usable``
         checked them (their bytes verified there, or as they are read against the manifests it checked)."""
         try:
-            shared = (self.leader_root / info.path.name, self._leader_manifests.pop(info.path))
+            shared = self._leader_manifests.pop(info.path)
             load_pieces(info.path, info.manifest, state, self.rank.rank, info.verified, shared_at=shared)
         finally:
             info.verified.clear()
