@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -214,9 +215,11 @@ class Link:
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self._sockets = open_sockets() - before  # the group's connections (checkpoint/sockets.py)
         self._buffers: list = []  # one send and one receive buffer of CHUNK bytes, made at the first transfer
+        self._left = threading.Event()  # the group was left: a test's delay (knobs.peer_delay_s) ends at once
 
     def shut_down(self) -> None:
         """The process group failed and is being left: a transfer in flight fails at once on both ends."""
+        self._left.set()
         shut_down(self._sockets)
 
     def _chunk_buffers(self):
@@ -237,7 +240,7 @@ class Link:
         headers = self._duplex(dst, [self._tensor(header_out)] if dst is not None else [],
                                src, [int.from_bytes(bytes(lengths[0]), "little")] if src is not None else [])
         header_in = json.loads(bytes(headers[0]).decode()) if src is not None else None
-        time.sleep(knobs.peer_delay_s())  # test-only: a copy in flight for that long
+        self._left.wait(knobs.peer_delay_s())  # test-only: a copy in flight for that long
         sending = out is not None and "error" not in out[0]
         receiving = header_in is not None and "error" not in header_in
         landing, failed = None, []

@@ -104,14 +104,24 @@ class LocalTier(Replica):
 
     def folder(self) -> Path:
         """This rank's folder, made (inside the private run folder) if missing."""
-        self.private()
-        with self._folder_lock:
-            if not self.root.is_dir() and self._held:
-                _log.warning(f"warning: local tier: {self.root} had disappeared while the run went on, with this "
-                             f"rank's steps {', '.join(map(str, sorted(self._held)))}; made again", extra=EVERY_RANK)
-                self._held = set()
-            make_dirs(self.root, within=self.root.parent)
-        return self.root
+        for again in (False, True):
+            self.private()
+            with self._folder_lock:
+                if not self.root.is_dir() and self._held:
+                    _log.warning(f"warning: local tier: {self.root} had disappeared while the run went on, with this "
+                                 f"rank's steps {', '.join(map(str, sorted(self._held)))}; made again",
+                                 extra=EVERY_RANK)
+                    self._held = set()
+                try:
+                    make_dirs(self.root, within=self.root.parent)
+                    return self.root
+                except FileNotFoundError:
+                    if again:
+                        raise
+                    # another rank of the node removed the run folder as it emptied it (its clear at a fresh start)
+                    # between our check and our folder: the run folder is made again, privately, as at the start
+                    self._folder_checked = False
+        raise AssertionError("unreachable")
 
     @property
     def writes_shared(self) -> bool:
