@@ -17,12 +17,22 @@ run on the same schedule, the same training (--ranks gloo ranks of `small`, the 
 (the launcher and every member: on one machine a lost node is the whole job), after which both configurations restart
 cold.
 
-Before them a failure-free run of the same training under torchrun gives the failure-free wall time, the step time t0
-(mean over the steps after the first SKIP, its saves included) and the final model the kill runs must equal bitwise
-(tests/check_weights_equality.py --tolerance 0 --optimizer on the final step; the loss rows' deterministic columns are
-compared too).
+Before them a failure-free run of the same training under torchrun gives the failure-free wall time and start-up, and
+the final model the kill runs must equal bitwise (tests/check_weights_equality.py --tolerance 0 --optimizer on the final
+step; the loss rows' deterministic columns are compared too).
 
-    goodput = t0 x N / wall
+Each run's goodput takes its step time from the run itself, never from another run: the machine is shared, and a load
+that differs between the reference run and a measured run (minutes apart) made a step time borrowed from the reference
+meaningless (a rerun came out at goodput 1.21). Per run (the reference too, for comparison):
+
+    t_step         = the run's median step interval (loss CSV, step_interval)
+    goodput        = t_step x N / wall
+    goodput_steady = t_step x (N - 1) / (wall - startup)
+
+startup = the launch of the run's first start to its first step done: the job's one-time start-up (a long job amortises
+it; the in-process configuration also starts its spares then), reported apart as startup_s. The reference's steady
+goodput is the ceiling of the others': its saves, the slower steps among them and its final save are still counted.
+A configuration that slows every step (its spares' CPU, say) shows it in t_step_s, not in its goodput.
 
 Cost per failure (cost_per_failure_s: the median over the failures) is accounted from the loss CSV's times, redone
 work included: a failure while the job's newest step done is s (done at w_s) costs the time until step s + 1 is first
@@ -55,7 +65,6 @@ from tests.helpers import env_for_tests
 
 from benchmarks import goodput_common as g  # the harness's shared pieces (goodput.py imports this module)
 
-SKIP = 5  # t0 leaves out the first steps (a start's first saves pay one-off costs)
 START = re.compile(r"launcher: member (\d+) pid (\d+) (?:rank (\d+)|spare)")
 GENERATION = re.compile(r"launcher: generation (\d+): (.*)")
 TAKES = re.compile(r"member (\d+) \(spare\) takes rank (\d+)")
@@ -346,8 +355,23 @@ def parse_restart(line: str | None) -> dict:
     return {"total": float(m.group("total")), **{k.strip(): float(v) for k, v in PART.findall(m.group("parts"))}}
 
 
-def account(name: str, job: FailureJob, steps: int, t0: float, ff_wall: float) -> dict:
-    t_step = step_interval(job.final_rows) or t0
+def goodputs(job: FailureJob, steps: int) -> dict:
+    """A run's goodput from its own times (see the module's docstring): t_step_s (its median step interval), startup_s
+    (its first start's launch to that start's first step done), goodput and goodput_steady; None where unknown."""
+    t_step = step_interval(job.final_rows)
+    first = job.starts[0] if job.starts else None
+    startup = first.first_step - first.start if first is not None and first.first_step is not None else None
+    return {"t_step_s": t_step, "startup_s": startup,
+            "goodput": t_step * steps / job.wall if t_step is not None and job.wall > 0 else None,
+            "goodput_steady": t_step * (steps - 1) / (job.wall - startup)
+            if t_step is not None and startup is not None and job.wall > startup else None}
+
+
+def account(name: str, job: FailureJob, steps: int, ff_t_step: float, ff_wall: float) -> dict:
+    """One configuration's figures; ``ff_t_step`` (the reference's step interval) stands in for its own step interval
+    only in the cost per failure, and only if the run has none (no two consecutive steps)."""
+    own = goodputs(job, steps)
+    t_step = own["t_step_s"] or ff_t_step
     costs = failure_costs(job.kills, job.rows, job.origin, t_step, steps)
     known = [c["cost_s"] for c in costs if c["cost_s"] is not None]
     kills = len(job.kills)
@@ -368,12 +392,13 @@ def account(name: str, job: FailureJob, steps: int, t0: float, ff_wall: float) -
             c["restart_s"] = (nxt.first_step - nxt.start) if nxt.first_step is not None else None
             c["restart"] = parse_restart(nxt.restart_line)
     return {
-        "name": name, "goodput": t0 * steps / job.wall, "wall_s": job.wall, "kills": kills,
+        "name": name, "goodput": own["goodput"], "goodput_steady": own["goodput_steady"],
+        "startup_s": own["startup_s"], "wall_s": job.wall, "kills": kills,
         "kills_by_kind": {k: sum(x.kind == k for x in job.kills) for k in ("rank", "job")},
         "cost_per_failure_s": statistics.median(known) if known else None,
         "cost_per_failure_min_s": min(known, default=None), "cost_per_failure_max_s": max(known, default=None),
         "cost_per_failure_wall_s": (job.wall - ff_wall) / kills if kills else None,
-        "t_step_s": t_step, "starts": len(job.starts), "inprocess_recoveries": len(inproc),
+        "t_step_s": own["t_step_s"], "starts": len(job.starts), "inprocess_recoveries": len(inproc),
         "redone_steps": sum(c.get("redone_steps", 0) for c in costs), "failures": costs, "outcome": job.outcome,
     }
 
@@ -434,14 +459,15 @@ def run_rank_failures(args: argparse.Namespace, workdir: Path, res: dict) -> Non
     log(f"reference: failure-free, torchrun, {N} steps, local tier every {args.local_every}, shared every "
         f"{args.shared_every}")
     job = run_failure_job(rank_cmd(ref, args, "torchrun"), ref / "run" / "loss.csv", iter(()), 1800 + 10 * N, False)
-    rows = dict(job.final_rows)
-    if job.outcome != "finished" or not {SKIP, N} <= rows.keys():
+    ff = goodputs(job, N)
+    if job.outcome != "finished" or N not in dict(job.final_rows) or ff["t_step_s"] is None:
         raise SystemExit(f"the reference run {job.outcome}:\n{job.tail}")
-    t0 = (rows[N] - rows[SKIP]) / (N - SKIP)
     ff_wall = job.wall
-    res.update(t0_s=t0, failure_free_wall_s=ff_wall, failure_free_goodput=t0 * N / ff_wall,
-               failure_free_startup_s=rows[1] - job.origin if 1 in rows else None)
-    log(f"  wall {ff_wall:.1f} s, t0 {t0:.3f} s/step")
+    res.update(failure_free_wall_s=ff_wall, failure_free_t_step_s=ff["t_step_s"],
+               failure_free_goodput=ff["goodput"], failure_free_goodput_steady=ff["goodput_steady"],
+               failure_free_startup_s=ff["startup_s"])
+    log(f"  wall {ff_wall:.1f} s, t_step {ff['t_step_s']:.3f} s, start-up {g.f(ff['startup_s'], 1)} s, goodput "
+        f"{g.f(ff['goodput'], 3)}, steady {g.f(ff['goodput_steady'], 3)}")
 
     limit = 6 * ff_wall + 120
     spares = args.spares
@@ -458,7 +484,7 @@ def run_rank_failures(args: argparse.Namespace, workdir: Path, res: dict) -> Non
         try:
             job = run_failure_job(rank_cmd(folder, args, "launcher" if inprocess else "torchrun", spares or 0),
                                   folder / "run" / "loss.csv", plan(), limit, inprocess)
-            r = account(name, job, N, t0, ff_wall)
+            r = account(name, job, N, ff["t_step_s"], ff_wall)
             if job.outcome == "finished":
                 r["bitwise"], r["bitwise_said"] = bitwise(final_step(folder, N), final_step(ref, N))
                 mine, theirs = loss_columns(folder / "run" / "loss.csv"), loss_columns(ref / "run" / "loss.csv")
@@ -477,7 +503,9 @@ def run_rank_failures(args: argparse.Namespace, workdir: Path, res: dict) -> Non
         r.update(label=LABELS[name], spares=spares if inprocess else None,
                  starts_detail=[asdict(s) for s in job.starts], kills_detail=[asdict(k) for k in job.kills])
         res["configs"][name] = r
-        log(f"{name}: goodput {r['goodput']:.3f}, wall {r['wall_s']:.1f} s, {r['kills']} failures, cost per failure "
+        log(f"{name}: goodput {g.f(r['goodput'], 3)}, steady {g.f(r['goodput_steady'], 3)} (t_step "
+            f"{g.f(r['t_step_s'], 3)} s, start-up {g.f(r['startup_s'], 1)} s), wall {r['wall_s']:.1f} s, {r['kills']} "
+            f"failures, cost per failure "
             f"{g.f(r['cost_per_failure_s'])} s (median; (wall - failure-free) / failures "
             f"{g.f(r['cost_per_failure_wall_s'])} s), bitwise {r['bitwise']}")
         if not args.keep:
@@ -530,25 +558,37 @@ def render(res: dict) -> str:
         "takes the dead rank, every rank reloads the newest step they all reach (the node-local tier) and goes on; the "
         "killed process is the member holding the rank now, from the launcher's lines. With no spare left the ranks "
         "end and the harness restarts the job cold.", "",
-        f"**Goodput = t0 × steps / wall**, t0 = {f(res['t0_s'], 3)} s: the failure-free reference run's step time "
-        f"(the same training under torchrun, its saves included, steps after {SKIP}; wall "
-        f"{f(res['failure_free_wall_s'], 1)} s, goodput {f(res['failure_free_goodput'], 3)}: its start-up and final "
-        "save). **Cost per failure** = the median over the failures of the wall time each cost, redone work included, "
+        "**Goodput = t_step × steps / wall**, t_step the run's own median step interval (from its loss CSV; the "
+        "start-up, the recoveries, the redone steps and the saves' time above the median make up the rest of the "
+        "wall). Each run's t_step comes from that run itself: on this shared machine the load, and with it the step "
+        "time, differs from one run to the next, and a step time taken from another run made the figure "
+        "meaningless (a rerun under a changed load came out above 1). **Steady goodput = t_step × (steps "
+        "− 1) / (wall − start-up)**: the same without the job's one-time start-up, the launch to the first step done "
+        "(listed below; a long job amortises it, and the in-process configuration starts its spares in it). The "
+        "failure-free reference (the same training under torchrun, no failure) is measured the same way: its steady "
+        f"goodput {f(res.get('failure_free_goodput_steady'), 3)} is the ceiling (goodput "
+        f"{f(res.get('failure_free_goodput'), 3)}, wall {f(res['failure_free_wall_s'], 1)} s, t_step "
+        f"{f(res.get('failure_free_t_step_s'), 3)} s), as its saves and final save still count. "
+        "**Cost per failure** = the median over the failures of the wall time each cost, redone work included, "
         "from the loss CSV's times: a failure while the newest step done is s (done at w_s) costs w'_(s+1) − w_s − "
         "t_step, w'_(s+1) the first time step s + 1 is done after it, t_step the run's median step interval "
-        "(failures before that step share one window evenly). Beside it, (wall − failure-free wall) / failures. "
+        "(failures before that step share one window evenly). Beside it, (wall − failure-free wall) / failures, "
+        "which also counts the difference in start-up and the load's drift between the runs. "
         "**Bitwise**: the final step's model and optimizer against the reference's, "
         "`tests/check_weights_equality.py --tolerance 0 --optimizer`; loss rows: the loss CSV's deterministic columns "
         "(step, loss, lr, tokens) equal the reference's.", "",
-        "| configuration | goodput | wall s | failures | cost per failure s: median (min–max) | "
+        "| configuration | goodput | steady goodput | wall s | failures | cost per failure s: median (min–max) | "
         "(wall − failure-free) / failures s | redone steps | starts | bitwise | loss rows equal |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        g.row("failure-free reference (torchrun)", f(res.get("failure_free_goodput"), 3),
+              f(res.get("failure_free_goodput_steady"), 3), f(res["failure_free_wall_s"], 1), 0, "–", "–", 0, 1,
+              "(reference)", "(reference)")]
     for name, c in res["configs"].items():
         kinds = c["kills_by_kind"]
         n = f"{c['kills']}" + (f" ({kinds['rank']} rank, {kinds['job']} job)" if kinds.get("job") else "")
         lines.append(g.row(
             f"{c['label']}" + (f", K = {c['spares']}" if c.get("spares") is not None else ""),
-            f"**{f(c['goodput'], 3)}**", f(c["wall_s"], 1), n,
+            f"**{f(c['goodput'], 3)}**", f"**{f(c.get('goodput_steady'), 3)}**", f(c["wall_s"], 1), n,
             f"**{f(c['cost_per_failure_s'])}** ({f(c['cost_per_failure_min_s'])}–{f(c['cost_per_failure_max_s'])})",
             f(c["cost_per_failure_wall_s"]), c["redone_steps"], c["starts"], "yes" if c["bitwise"] else
             f"**no** ({c['bitwise_said']})", "yes" if c["loss_rows_equal"] else "no"))
@@ -562,16 +602,17 @@ def render(res: dict) -> str:
         if d:
             lines += ["", f"{name}: the loss rows differ from the reference's first at step {d['step']}, in "
                       f"{', '.join(d['columns'])}: reference {d['reference']}, this run {d['run']}."]
-    first = {n: c["starts_detail"][0]["first_step"] for n, c in res["configs"].items() if c.get("starts_detail")}
-    if first:
+    if res["configs"]:
         k = (inproc or {}).get("spares")
-        lines += ["", "Start-up, launch to the first step done: "
-                  + ", ".join([*([f"failure-free reference {f(res['failure_free_startup_s'], 1)} s"]
-                                 if res.get("failure_free_startup_s") is not None else []),
-                               *(f"{n} {f(x, 1)} s" for n, x in first.items())])
-                  + (f" (in-process: the ranks and the {k} spares set up at once on {m['cores']} cores; the "
-                     "difference counts in (wall − failure-free) / failures, not in the cost per failure)."
-                     if k else ".")]
+        runs = [("failure-free reference", res.get("failure_free_startup_s"), res.get("failure_free_t_step_s")),
+                *((n, c.get("startup_s"), c.get("t_step_s")) for n, c in res["configs"].items())]
+        lines += ["", "Start-up (launch to the first step done) and t_step (median step interval), per run: "
+                  + ", ".join(f"{n} {f(su, 1)} s and {f(ts, 3)} s" for n, su, ts in runs)
+                  + (f" (in-process: the ranks and the {k} spares set up at once on {m['cores']} cores)" if k else "")
+                  + ". The start-up counts in goodput and in (wall − failure-free) / failures, not in steady goodput "
+                  "nor in the cost per failure. A run whose every step is slower (its own overhead or the machine's "
+                  "load: one run cannot tell them apart) has a larger t_step, not a lower goodput: compare the "
+                  "t_step values for that."]
     # the breakdowns
     lines += ["", "## Where a failure's time goes", ""]
     if inproc:
