@@ -7,9 +7,7 @@ torchrun stops every worker when one fails, so the survivors' imports, model and
 starts N ranks and K spares of SCRIPT on its node. With --nnodes, one launcher runs on each of M nodes (srun, one task
 per node): node 0's (--node-rank, else SLURM_NODEID) hosts the members' store at --store and decides; the others start
 their node's members, report their exits and a heartbeat through the store, and obey. Ranks are numbered node by node
-(node i holds ranks i*N .. i*N+N-1 at the start); members likewise, the K spares after each node's N ranks. The
-spares start with the ranks but wait before their imports (recovery.hold_spare) until the ranks have taken their first
-step, or one failed: K processes importing torch and building the model would slow the ranks' own start.
+(node i holds ranks i*N .. i*N+N-1 at the start); members likewise, the K spares after each node's N ranks.
 
 Node 0 watches generation g's ranks (every ~5 ms):
 - a rank exiting with one of train.py's ending codes (0 finished, 2 bad input, 3 requeue, 4 stopped, 5 requeue
@@ -63,9 +61,8 @@ SETTLING_SILENCE_S = 2.0
 BYE_S = 10.0  # node 0 keeps its store up this long for the others to hear the end
 LOST = -1000  # rc() of a member whose node was lost (not an exit code, not a signal)
 
-
+# Node 0's keys for the other launchers, apart from recovery.py's member keys (values are text).
 def _key(*parts) -> str:
-    """Node 0's keys for the other launchers, apart from recovery.py's member keys (values are text)."""
     return "launcher/" + "/".join(str(p) for p in parts)
 
 
@@ -153,7 +150,6 @@ class Node:
         self.command = [sys.executable, opts.script, *opts.args]
         self.address = address
         self.procs: dict[int, subprocess.Popen] = {}
-        self.held, self._hold = False, None  # the spares wait to set up (release); the pipe's end they wait on
 
     def node_of(self, m: int) -> int:
         return m // self.per
@@ -166,35 +162,15 @@ class Node:
         base.update({recovery.STORE: self.address, "WORLD_SIZE": str(self.nproc * self.nnodes),
                      "LOCAL_WORLD_SIZE": str(self.nproc), "MASTER_ADDR": host,
                      "MASTER_PORT": str(free_port()), LAUNCHER_PID: str(os.getpid())})
-        hold, self._hold = os.pipe() if self.spares else (None, None)
-        self.held = bool(self.spares)
         for i in range(self.per):
             m = self.index * self.per + i
             env = dict(base, **{recovery.MEMBER: str(m)})
             rank = self.index * self.nproc + i
-            env.update({"RANK": str(rank), "LOCAL_RANK": str(i)} if i < self.nproc else
-                       {recovery.SPARE: "1", recovery.HOLD: str(hold)})
-            self.procs[m] = subprocess.Popen(self.command, env=env, start_new_session=True,
-                                             pass_fds=(hold,) if i >= self.nproc else ())
+            env.update({"RANK": str(rank), "LOCAL_RANK": str(i)} if i < self.nproc else {recovery.SPARE: "1"})
+            self.procs[m] = subprocess.Popen(self.command, env=env, start_new_session=True)
             if announce is not None:
                 announce(m, self.procs[m].pid)
             log(f"member {m} pid {self.procs[m].pid} " + (f"rank {rank}" if i < self.nproc else "spare"))
-
-        if hold is not None:
-            os.close(hold)
-
-    def release(self, go: bool) -> None:
-        """Let the spares set up (``go``: the ranks took their first step, or a failure needs a spare now), or send
-        them home without it (the job ended first). Until then they wait before their imports: K spares setting up
-        beside the ranks would slow the ranks' own start (36 s instead of 6 s with 10 spares on 2 cores)."""
-        if not self.held:
-            return
-        self.held = False
-        try:
-            os.write(self._hold, (b"g" if go else b"q") * self.spares)  # one byte each; a pipe holds far more
-        except OSError:  # every spare is gone already
-            pass
-        os.close(self._hold)
 
     def forward(self, signum: int, _frame=None) -> None:
         for proc in self.procs.values():
@@ -251,7 +227,6 @@ class Launcher:
         self.exit_counts = {n: 0 for n in range(1, self.nnodes)}
         self.looked = 0.0
         self.settling = False  # a failure is being settled (settle): a silent node is given up sooner
-        self.held_looked = 0.0
 
     # -- processes -------------------------------------------------------------------------------------------------
 
@@ -302,10 +277,6 @@ class Launcher:
         time.sleep(POLL_S)
         if self.nnodes > 1:
             self.look()
-        if self.node.held and time.monotonic() - self.held_looked >= BEAT_S:
-            self.held_looked = time.monotonic()
-            if self.has(recovery.stepped_key(0)):
-                self.node.release(True)
         for m in [m for m in self.spare_members if self.rc(m) is not None]:
             self.spare_members.remove(m)
             verb = "ended" if self.rc(m) == 0 else "died"
@@ -371,8 +342,6 @@ class Launcher:
                 self.tick()
             self.seen = time.time()  # when the failure (or the end) was first seen: the recovery line's detect
             self.store.set(recovery.down_key(g), b"1")  # a rank waiting on a dead one's part stops waiting
-            if not any(self.rc(m) in ENDING_CODES for m in holders):
-                self.node.release(True)  # a spare may be needed now (the other nodes see down/0 or stepped/0)
             hung = self.settle(g)
             rcs = {m: self.rc(m) for m in holders}  # one look: a member exiting from here on is the next failure
             ended = {m: rc for m, rc in rcs.items() if rc in ENDING_CODES}
@@ -472,11 +441,6 @@ class Launcher:
     def finish(self, holders: dict[int, int | None]) -> int:
         """After the last plan: the ranks end by themselves (within the recovery timeout), the spares within a few
         seconds; whoever is left then is killed. The ranks' exit code is the job's; the other nodes hear it."""
-        self.node.release(False)  # spares still waiting to set up leave at once
-        if self.nnodes > 1:
-            self.store.set(_key("quit"), b"1")
-            for n in range(1, self.nnodes):
-                self.store.add(_key("orders", n), 1)
         now = time.monotonic()
         deadlines = {m: now + (self.timeout if m in holders else SPARE_GRACE_S) for m in self.all_members}
         while any(self.rc(m) is None for m in deadlines):
@@ -555,9 +519,6 @@ class Follower:
                 if now - orders_at < ORDERS_S:
                     continue
                 orders_at = now
-                if self.node.held and (self.store.check([recovery.stepped_key(0)])
-                                       or self.store.check([recovery.down_key(0)])):
-                    self.node.release(True)
                 count = self.store.add(_key("orders", self.n), 0)
                 if count == orders:
                     continue
@@ -566,8 +527,6 @@ class Follower:
                     log(f"node 0 gave node {self.n} up as lost: its members end")
                     self.node.kill_all()
                     return 1
-                if self.store.check([_key("quit")]):
-                    self.node.release(False)
                 for m in self.node.procs:
                     if self.store.check([_key("kill", m)]):
                         self.node.kill(m)

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 STORE = "PYRECOVER_STORE"  # host:port of the launcher's store
 MEMBER = "PYRECOVER_MEMBER"  # this process's member number
 SPARE = "PYRECOVER_SPARE"  # "1": a spare (no rank until a plan gives it one)
-HOLD = "PYRECOVER_SPARE_HOLD"  # a spare's end of its launcher's pipe: its setup waits for one byte there (hold_spare)
 
 #: how long a member waits for the next plan before it gives up (the launcher writes one within its own timeout)
 PLAN_WAIT_S = 600.0
@@ -40,17 +39,6 @@ PLAN_WAIT_S = 600.0
 def enabled(environ=os.environ) -> bool:
     """Whether this process runs under a launcher that keeps survivors alive (launcher.py)."""
     return bool(environ.get(STORE))
-
-
-def hold_spare(environ=os.environ) -> None:
-    """A spare, before its imports: wait until its launcher lets the spares set up (one byte ``g``: the ranks took
-    their first step, or one failed), so that K spares importing torch and building the model do not slow the ranks'
-    own start; ``q`` or the pipe's end (the job ended first, or the launcher is gone): leave at once, exit 0."""
-    fd = int(environ[HOLD])
-    said = os.read(fd, 1)
-    os.close(fd)
-    if said != b"g":
-        os._exit(0)
 
 
 def plan_key(g: int) -> str:
@@ -179,8 +167,7 @@ class Member:
         return True
 
     def stepped(self) -> None:
-        """This generation finished its first step: the launcher lets the spares set up (generation 0) or counts the
-        recovery into it as progress."""
+        """This generation finished its first step (after a recovery): the launcher counts it as progress."""
         self.store.set(stepped_key(self.generation), b"1")
 
     def next_plan(self, why: str | None) -> Plan:

@@ -74,10 +74,6 @@ if __name__ == "__main__":
         return args
 
     _PARSED = _flags_first()
-    if os.environ.get("PYRECOVER_SPARE_HOLD"):  # a spare of launcher.py: its setup waits until the ranks train
-        from recovery import hold_spare
-
-        hold_spare()
 
 _PARENT_AT_START = os.getppid()  # a torchrun rank's launcher (distributed.follow_launcher), before it could have died
 _T_IMPORTS = time.monotonic()  # the heavy imports start here (the recovery line reports how long a restart took)
@@ -683,7 +679,6 @@ def generation(args: argparse.Namespace, run: Run, prepared: Prepared, started: 
         # resumed from a stop that interrupted an evaluation: that one first (a stop during it saves its step again)
         stopped = (evaluate_owed(run, loaded, evaluator)
                    and session.step_boundary(run.progress.step, save_card(card, evaluator, metrics, run.progress.step)))
-        first_step = True
         while not stopped and run.progress.step < args.training_steps:
             t0 = time.perf_counter()
             loop.begin_step()  # --jit-checkpoint: from here until the optimizer step the last step's state is intact
@@ -691,11 +686,10 @@ def generation(args: argparse.Namespace, run: Run, prepared: Prepared, started: 
             loop.end_step()
             metrics.step(run.progress.step, loss, lr, grad_norm, time.perf_counter() - t0, run.progress.tokens_seen,
                          run.progress.restarts)
-            if first_step and member is not None:  # the launcher hears of this group's first step (it lets the
-                if recovered is not None:  # spares set up, and counts a recovery as progress); a recovery's line
-                    recovery_line(env, recovered, loaded, time.perf_counter() - t0)
+            if recovered is not None:  # the first step after a recovery: its line, once; the launcher hears of it
+                recovery_line(env, recovered, loaded, time.perf_counter() - t0)
                 member.stepped()
-            first_step = False
+                recovered = None
             if evaluator is not None and evaluator.due(run.progress.step):  # after the optimizer step, before a save
                 evaluator(run.progress.step)  # --eval-every: no RNG, no weight changes (evaluation.evaluate)
             if session.step_boundary(run.progress.step, save_card(card, evaluator, metrics, run.progress.step)):

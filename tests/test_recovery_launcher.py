@@ -25,8 +25,6 @@ MEMBER = '''
 import json, os, signal, sys, time
 import recovery
 
-if os.environ.get(recovery.HOLD):  # a spare: set up only once the ranks took their first step (as train.py does)
-    recovery.hold_spare()
 store = recovery.connect()
 me = int(os.environ[recovery.MEMBER])
 store.set(f"pid/{me}", str(os.getpid()))
@@ -49,8 +47,7 @@ def gone(m):  # the test's stand-in for a collective that fails when a peer is d
 def serve(plan):
     g = plan.generation
     store.set(f"serving/{g}/{me}", json.dumps([plan.ranks[me], os.getpid()]))
-    if (g > 0 and not store.check(["no-steps"])) or (g == 0 and not os.path.exists(
-            os.path.join(os.path.dirname(__file__), "no-first-step"))):  # train.py's first step (run or recovery)
+    if g > 0 and not store.check(["no-steps"]):  # train.py's first step after a recovery
         store.set(recovery.stepped_key(g), b"1")
     while True:
         if store.check(["end"]):
@@ -249,21 +246,6 @@ def test_two_nodes_end_together_and_the_other_nodes_spare_goes_home(two_nodes):
     assert j.follower.wait(30) == 4
     out = j.output()
     assert "member 3: done 4" in out and "member 1: done 4" in out, out
-
-
-def test_a_spare_waits_to_set_up_until_the_first_step_and_leaves_at_once_if_none_came(job, tmp_path):
-    """A spare holds before its imports (recovery.hold_spare) until the ranks took their first step; a job that ends
-    before any sends it home from there: exit 0, it never connected."""
-    (tmp_path / "no-first-step").touch()
-    j = job("--nproc", "1", "--spares", "1")
-    pids = j.member_pids(2)
-    j.serving(0, 0)
-    time.sleep(3)  # a spare let go would have connected (and said its pid) well within this
-    assert not j.store.check(["pid/1"])
-    assert j.end(0) == 0
-    out = j.output()
-    assert f"spare member 1 (pid {pids[1]}) ended (exit 0) while waiting" in out, out
-    assert "did not end" not in out and "member 1: done" not in out, out
 
 
 def test_clean_end_sends_the_spares_home(job):
