@@ -202,11 +202,10 @@ class Launcher:
         self.nnodes, self.node_timeout, self.rc_file = opts.nnodes, opts.node_timeout, opts.rc_file
         # Our own socket, so the store listens on one address only (TCPStore alone binds every interface): loopback
         # on one node, HOST's address with --nnodes.
-        host, port = ("127.0.0.1", 0) if opts.nnodes == 1 else (opts.store.rsplit(":", 1)[0],
-                                                                 int(opts.store.rsplit(":", 1)[1]))
+        host, port = ("127.0.0.1", "0") if opts.nnodes == 1 else opts.store.rsplit(":", 1)
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((socket.gethostbyname(host), port))
+        sock.bind((socket.gethostbyname(host), int(port)))
         sock.listen(512)
         self.address = f"{host}:{sock.getsockname()[1]}"
         self.store = TCPStore(host, sock.getsockname()[1], is_master=True, wait_for_workers=False,

@@ -195,6 +195,11 @@ if [[ $spares -gt 0 ]]; then
 fi
 
 launch=(srun --kill-on-bad-exit=0)
+# The job's first node, and a port from the job id (two jobs sharing a node do not collide): where the ranks of a
+# srun-launched group meet (MASTER_ADDR/PORT), or where node 0's launcher hosts the store.
+first_node() { scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" 2>/dev/null | head -n 1; }
+job_port() { echo "${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}"; }
+
 rc_file=
 if [[ $spares -gt 0 ]]; then
     # One task per node, launcher.py, which starts the node's ranks and spares, keeps the survivors of a failure alive
@@ -208,8 +213,8 @@ if [[ $spares -gt 0 ]]; then
         launch+=(--ntasks=1 --nodes=1 --overcommit)
         echo "job ${SLURM_JOB_ID:-?}: $ranks ranks and $spares spares on one node (launcher.py)"
     else
-        store_host=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" 2>/dev/null | head -n 1)
-        store_port=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
+        store_host=$(first_node)
+        store_port=$(job_port)
         rc_file=${TMPDIR:-/tmp}/pyrecover-launcher-${SLURM_JOB_ID:-0}-$restart.rc
         launch+=(--nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1 --overcommit --no-kill)
         launcher+=(--nnodes "$nodes" --store "${store_host:-localhost}:$store_port" --rc-file "$rc_file")
@@ -218,13 +223,13 @@ if [[ $spares -gt 0 ]]; then
     fi
     train_args=(--distributed "${train_args[@]}")
 elif [[ $distributed == 1 ]]; then
-    # One rank per task (= per GPU); distributed.py reads SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID. The master is the
-    # first node of the allocation, the port derived from the job id (two jobs sharing a node do not collide).
+    # One rank per task (= per GPU); distributed.py reads SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID.
     if [[ -z ${MASTER_ADDR:-} ]]; then
-        MASTER_ADDR=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" 2>/dev/null | head -n 1)
+        MASTER_ADDR=$(first_node)
         export MASTER_ADDR=${MASTER_ADDR:-localhost}
     fi
-    export MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
+    MASTER_PORT=$(job_port)
+    export MASTER_PORT
     train_args=(--distributed "${train_args[@]}")
     echo "job ${SLURM_JOB_ID:-?}: ${SLURM_NTASKS:-?} ranks on ${SLURM_JOB_NUM_NODES:-?} node(s), master $MASTER_ADDR:$MASTER_PORT"
 else
