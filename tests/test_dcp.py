@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import random
+import re
 import subprocess
 import sys
 import time
@@ -263,9 +264,12 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
         assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     ours = [line for line in proc.stderr.splitlines() if line.strip().startswith(f'File "{ROOT}') and ".venv" not in line]
     assert not ours, proc.stderr[-3000:]
-    lines = {line for line in proc.stderr.splitlines() if line.startswith("error: ")}  # ranks > 0: "error (rank r)"
-    assert len(lines) == 1, proc.stderr[-3000:]
-    return lines.pop()
+    # each rank checks the same flags and says the same line (ranks > 0 as "error (rank r): "); torchrun may stop rank 0
+    # before it prints when another rank refused first, so the message, not rank 0's line, is what must be one
+    said = [re.match(r"error(?: \(rank \d+\))?: (.*)", line) for line in proc.stderr.splitlines()]
+    messages = {m.group(1) for m in said if m}
+    assert len(messages) == 1, proc.stderr[-3000:]
+    return "error: " + messages.pop()
 
 
 def test_flag_combinations_only_dcp_can_do_are_refused_before_training(corpus, tmp_path):
