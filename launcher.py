@@ -33,10 +33,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 import recovery
@@ -60,6 +64,9 @@ START_GRACE_S = 120.0  # a node that never beat is lost only after this (srun ma
 SETTLING_SILENCE_S = 2.0
 BYE_S = 10.0  # node 0 keeps its store up this long for the others to hear the end
 LOST = -1000  # rc() of a member whose node was lost (not an exit code, not a signal)
+WARM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm.py")
+TRAIN = os.path.join(os.path.dirname(os.path.realpath(__file__)), "train.py")  # what a standby's child runs
+STANDBY_READY_S = 60.0  # how long a node waits for its spares' standby before they start cold
 
 # Node 0's keys for the other launchers, apart from recovery.py's member keys (values are text).
 def _key(*parts) -> str:
@@ -150,6 +157,8 @@ class Node:
         self.command = [sys.executable, opts.script, *opts.args]
         self.address = address
         self.procs: dict[int, subprocess.Popen] = {}
+        self.standby: subprocess.Popen | None = None  # the spares' warm standby (warm.py), while it runs
+        self.standby_folder: str | None = None
 
     def node_of(self, m: int) -> int:
         return m // self.per
@@ -157,16 +166,23 @@ class Node:
     def start(self, announce=None) -> None:
         # under srun this launcher is its node's one task: its task numbers are not its members' ranks
         base = {k: v for k, v in os.environ.items()
-                if k not in ("RANK", "LOCAL_RANK", recovery.SPARE, "SLURM_PROCID", "SLURM_LOCALID")}
+                if k not in ("RANK", "LOCAL_RANK", recovery.SPARE, "SLURM_PROCID", "SLURM_LOCALID", "PYRECOVER_WARM")}
         host = self.address.rsplit(":", 1)[0]
         base.update({recovery.STORE: self.address, "WORLD_SIZE": str(self.nproc * self.nnodes),
                      "LOCAL_WORLD_SIZE": str(self.nproc), "MASTER_ADDR": host,
                      "MASTER_PORT": str(free_port()), LAUNCHER_PID: str(os.getpid())})
+        if self.spares and os.path.realpath(self.command[1]) == TRAIN:  # its imports run while the ranks start
+            self.start_standby(base)
+        warm = None
         for i in range(self.per):
             m = self.index * self.per + i
             env = dict(base, **{recovery.MEMBER: str(m)})
             rank = self.index * self.nproc + i
+            if i == self.nproc:
+                warm = self.standby_ready()
             env.update({"RANK": str(rank), "LOCAL_RANK": str(i)} if i < self.nproc else {recovery.SPARE: "1"})
+            if warm is not None:
+                env["PYRECOVER_WARM"] = warm
             self.procs[m] = subprocess.Popen(self.command, env=env, start_new_session=True)
             if announce is not None:
                 announce(m, self.procs[m].pid)
@@ -189,6 +205,66 @@ class Node:
     def kill_all(self) -> None:
         for m in self.procs:
             self.kill(m)
+        self.stop_standby()
+
+    # -- the spares' warm standby ----------------------------------------------------------------------------------
+    # K spares would each pay train.py's imports (torch, then torch._dynamo at the first optimizer: about 2.6 CPU-s of
+    # a spare's 3.2 s here); a node's standby pays them once and forks every spare from them: a spare and a warm
+    # standby are one mechanism (warm.py). The ranks still start on their own: the standby's children die with it
+    # (nobody else would end them), and that must cost the waiting spares only, never the ranks.
+
+    def start_standby(self, env: dict) -> None:
+        self.standby_folder = tempfile.mkdtemp(prefix="pyrecover-warm-")  # 0700: the standby trusts no other folder
+        self.standby = subprocess.Popen([sys.executable, WARM, "serve", os.path.join(self.standby_folder, "sock")],
+                                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+
+    def standby_ready(self) -> str | None:
+        """The standby's socket once it says it is ready (then its later lines go to stderr), or None: the spares
+        start cold, after one line."""
+        if self.standby is None:
+            return None
+        fd, said, why = self.standby.stdout.fileno(), b"", None
+        deadline = time.monotonic() + STANDBY_READY_S
+        while b"\n" not in said:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                why = f"not ready after {STANDBY_READY_S:.0f}s"
+                break
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                why = f"it ended ({how_exited(self.standby.wait())})"
+                break
+            said += chunk
+        first, _, rest = said.decode(errors="replace").partition("\n")
+        if why is None and first.startswith("warm standby ready"):
+            log(f"spares' {first}")
+            threading.Thread(target=self._relay, args=(self.standby.stdout, rest), daemon=True).start()
+            return os.path.join(self.standby_folder, "sock")
+        log(f"the spares' warm standby did not start ({why or first.strip()[:300]}): the spares start cold")
+        self.stop_standby()
+        return None
+
+    @staticmethod
+    def _relay(pipe, rest: str) -> None:
+        """The standby's later lines (a spare it declined, say), so that its pipe never fills."""
+        for line in rest.splitlines():
+            log(f"standby: {line}")
+        for raw in pipe:
+            log(f"standby: {raw.decode(errors='replace').rstrip()}")
+
+    def stop_standby(self) -> None:
+        if self.standby is not None:
+            self.standby.terminate()
+            try:
+                self.standby.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.standby.kill()
+                self.standby.wait()
+            self.standby = None
+        if self.standby_folder is not None:
+            shutil.rmtree(self.standby_folder, ignore_errors=True)
+            self.standby_folder = None
 
 
 class Launcher:

@@ -23,6 +23,8 @@ def hand_over(path: str) -> int | None:
     could not be trusted, declined or did not answer: one line says why)."""
     if "TORCHELASTIC_RUN_ID" in os.environ:  # die with torchrun, as distributed.follow_launcher ties a cold rank
         die_with_parent(os.getppid())
+    elif os.environ.get("PYRECOVER_LAUNCHER_PID", "").isdigit():  # launcher.py's spare: die with the launcher
+        die_with_parent(int(os.environ["PYRECOVER_LAUNCHER_PID"]))
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     conn.settimeout(ANSWER_S)
 
@@ -65,6 +67,9 @@ def hand_over(path: str) -> int | None:
     if not (is_int(child, 1) and parent_of(child) in (standby, None)):
         return cold(f"its answer names no child of the standby (pid {standby}): {short(str(reply), 100)}")
     conn.settimeout(None)  # from here the child trains: as long as it takes
+    if os.environ.get("PYRECOVER_MEMBER"):  # launcher.py names its members by this process's pid: link the two
+        print(f"member {os.environ['PYRECOVER_MEMBER']} (pid {os.getpid()}) runs in pid {child}, forked by the warm "
+              f"standby (pid {standby})", file=sys.stderr, flush=True)
 
     def forward(signum: int, _frame) -> None:
         if parent_of(child) != standby:  # ended (its pid may be another process's by now)
@@ -79,10 +84,23 @@ def hand_over(path: str) -> int | None:
         signal.signal(sig, forward)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, set(forwarded))  # train.py holds USR1/USR2 during its imports
     try:
-        rc = receive(conn).get("rc")  # interrupted by a forwarded signal: retried (PEP 475)
+        ended = receive(conn)  # interrupted by a forwarded signal: retried (PEP 475)
+        rc, signum = ended.get("rc"), ended.get("signal")
     except (OSError, ValueError):
-        rc = None
+        rc = signum = None
     if not is_int(rc, 0, 255):
         print(f"error: the warm standby {path} ended while running this rank", file=sys.stderr, flush=True)
         return 1
+    if is_int(signum, 1, 64) and signum not in (signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
+        # the child died of a signal: so does this stand-in, so that its parent (torchrun, launcher.py) sees the
+        # death it would have seen of a cold rank (a SIGKILL, not an exit code 137)
+        import resource
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the child dumped its own core, where the rank allows one
+        if signum != signal.SIGKILL:  # its action cannot be set, nor does it need to be
+            signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+        os.kill(os.getpid(), signum)
     return rc

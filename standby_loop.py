@@ -205,7 +205,8 @@ class Loop:
             self.sel.unregister(conn)
             rc = os.waitstatus_to_exitcode(status)
             try:
-                conn.send(json.dumps({"rc": rc if rc >= 0 else 128 - rc}).encode())
+                # a signal's death as a shell gives it (128 + n), and the signal, for the rank process to die of
+                conn.send(json.dumps({"rc": rc if rc >= 0 else 128 - rc, **({"signal": -rc} if rc < 0 else {})}).encode())
             except OSError:
                 pass  # the rank process is gone already
             conn.close()

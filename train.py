@@ -550,7 +550,8 @@ def check_only(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     global _PARSED
-    distributed.follow_launcher(_PARENT_AT_START)  # before anything else: a rank must not outlive its torchrun
+    if _PARENT_AT_START is not None:  # a warm standby's child follows the standby already (standby_child.run_child)
+        distributed.follow_launcher(_PARENT_AT_START)  # before anything else: a rank must not outlive its torchrun
     spell_settings()  # the checkpoint package's refusals name this command line's flags
     args = _PARSED if argv is None and _PARSED is not None else parse_args(argv)
     _PARSED = None  # taken once
@@ -859,10 +860,10 @@ def exit_process(code: int) -> None:
 
 
 def started_as_standby_child(rank_age_s: float) -> None:
-    """This process is a warm standby's child running a rank (warm.py): its launcher is the standby, its imports took
-    no time, and its start is the rank process's, ``rank_age_s`` ago."""
+    """This process is a warm standby's child running a rank (warm.py): its launcher is the standby (which it follows
+    already), its imports took no time, and its start is the rank process's, ``rank_age_s`` ago."""
     global _PARENT_AT_START, _T_IMPORTS, _T_IMPORTED
-    _PARENT_AT_START = os.getppid()
+    _PARENT_AT_START = None
     _T_IMPORTS = _T_IMPORTED = time.monotonic()
     started_at(time.monotonic() - rank_age_s)
 

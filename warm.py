@@ -49,6 +49,10 @@ def serve(path: str) -> int:
     """Import train.py's world once, then run each rank that connects in a forked child, until SIGTERM/SIGINT (then
     the children get SIGTERM, and the standby exits once they have)."""
     t0 = time.monotonic()
+    if os.environ.get("PYRECOVER_LAUNCHER_PID", "").isdigit():  # launcher.py's spares' standby ends with it
+        from procs import die_with_parent
+
+        die_with_parent(int(os.environ["PYRECOVER_LAUNCHER_PID"]))
     started_with = dict(os.environ)  # what the imports below read (torch adds variables of its own as it goes)
     path = os.path.abspath(path)
     if len(os.fsencode(path)) > 107:  # sun_path: 108 bytes with its NUL
