@@ -608,7 +608,8 @@ def render(res: dict) -> str:
                 *((n, c.get("startup_s"), c.get("t_step_s")) for n, c in res["configs"].items())]
         lines += ["", "Start-up (launch to the first step done) and t_step (median step interval), per run: "
                   + ", ".join(f"{n} {f(su, 1)} s and {f(ts, 3)} s" for n, su, ts in runs)
-                  + (f" (in-process: the ranks and the {k} spares set up at once on {m['cores']} cores)" if k else "")
+                  + (f" (in-process: the ranks set up beside the {k} spares, forked from one warm standby that "
+                     f"imports once, on {m['cores']} cores)" if k else "")
                   + ". The start-up counts in goodput and in (wall − failure-free) / failures, not in steady goodput "
                   "nor in the cost per failure. A run whose every step is slower (its own overhead or the machine's "
                   "load: one run cannot tell them apart) has a larger t_step, not a lower goodput: compare the "
