@@ -4,7 +4,8 @@
     python launcher.py --nproc N --spares K --nnodes M [--node-rank I] --store HOST:PORT [--node-timeout S] SCRIPT ...
 
 torchrun stops every worker when one fails, so the survivors' imports, model and caches die with it. This launcher
-starts N ranks and K spares of SCRIPT on its node. With --nnodes, one launcher runs on each of M nodes (srun, one task
+starts N ranks and K spares of SCRIPT on its node; with SCRIPT train.py, the spares are forked from one warm standby
+(warm.py) that imports once for all of them. With --nnodes, one launcher runs on each of M nodes (srun, one task
 per node): node 0's (--node-rank, else SLURM_NODEID) hosts the members' store at --store and decides; the others start
 their node's members, report their exits and a heartbeat through the store, and obey. Ranks are numbered node by node
 (node i holds ranks i*N .. i*N+N-1 at the start); members likewise, the K spares after each node's N ranks.
@@ -163,7 +164,9 @@ class Node:
     def node_of(self, m: int) -> int:
         return m // self.per
 
-    def start(self, announce=None) -> None:
+    def start(self, announce=None, beat=None) -> None:
+        """``announce(member, pid)``: each member started; ``beat()``: called while the spares' standby gets ready (a
+        node other than 0 must not fall silent meanwhile)."""
         # under srun this launcher is its node's one task: its task numbers are not its members' ranks
         base = {k: v for k, v in os.environ.items()
                 if k not in ("RANK", "LOCAL_RANK", recovery.SPARE, "SLURM_PROCID", "SLURM_LOCALID", "PYRECOVER_WARM")}
@@ -179,7 +182,7 @@ class Node:
             env = dict(base, **{recovery.MEMBER: str(m)})
             rank = self.index * self.nproc + i
             if i == self.nproc:
-                warm = self.standby_ready()
+                warm = self.standby_ready(beat)
             env.update({"RANK": str(rank), "LOCAL_RANK": str(i)} if i < self.nproc else {recovery.SPARE: "1"})
             if warm is not None:
                 env["PYRECOVER_WARM"] = warm
@@ -219,7 +222,7 @@ class Node:
                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         start_new_session=True)
 
-    def standby_ready(self) -> str | None:
+    def standby_ready(self, beat=None) -> str | None:
         """The standby's socket once it says it is ready (then its later lines go to stderr), or None: the spares
         start cold, after one line."""
         if self.standby is None:
@@ -228,9 +231,13 @@ class Node:
         deadline = time.monotonic() + STANDBY_READY_S
         while b"\n" not in said:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0:
                 why = f"not ready after {STANDBY_READY_S:.0f}s"
                 break
+            if not select.select([fd], [], [], min(left, BEAT_S))[0]:
+                if beat is not None:
+                    beat()
+                continue
             chunk = os.read(fd, 4096)
             if not chunk:
                 why = f"it ended ({how_exited(self.standby.wait())})"
@@ -571,7 +578,8 @@ class Follower:
     def start(self) -> None:
         self.store.set(_key("host", self.n), socket.gethostname().encode())
         self.store.add(_key("beat", self.n), 1)
-        self.node.start(announce=lambda m, pid: self.store.set(_key("pid", m), str(pid).encode()))
+        self.node.start(announce=lambda m, pid: self.store.set(_key("pid", m), str(pid).encode()),
+                        beat=lambda: self.store.add(_key("beat", self.n), 1))
 
     def report(self) -> None:
         for m, proc in self.node.procs.items():
