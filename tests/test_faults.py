@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -68,30 +67,6 @@ def reference(corpus, tmp_path_factory) -> Path:
 # --- the fault-injection harness, quick ------------------------------------------------------------------------------
 
 
-SHM_NEEDS = 2 << 30  # free bytes /dev/shm must have for the quick fault injection (its peak here: ~0.4 GiB)
-
-
-def _fault_workdir(tmp_path: Path) -> Path:
-    """Where the quick fault injection writes: a folder in /dev/shm, as `make faults` does, where that folder takes
-    O_DIRECT (so every backend saves and loads through the same code as on a disk: checkpoint/fsio.py's probe) and
-    /dev/shm has room; else ``tmp_path``. What /dev/shm leaves out is the disk's fsync wait (here ~0.3 s of each 48
-    MiB save, every step of ~20 runs), and a SIGKILL's outcome does not depend on fsync: the kernel keeps what a killed
-    process wrote (tests/faults/harness.py); power loss is tests/test_powerloss.py's."""
-    from checkpoint import fsio
-
-    shm = Path("/dev/shm")
-    try:
-        if not (shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= SHM_NEEDS):
-            return tmp_path
-        work = Path(tempfile.mkdtemp(prefix="pyrecover-faults-quick-", dir=shm))
-    except OSError:
-        return tmp_path
-    if fsio.direct_io(work):
-        return work
-    shutil.rmtree(work, ignore_errors=True)
-    return tmp_path
-
-
 def test_fault_injection_quick(corpus, tmp_path):
     """One trial per configuration (every registered backend x 1 and 2 ranks, + 2 ranks with --jit-checkpoint):
     random and named-point SIGKILLs, resumes from `latest`; nothing lost, bit-exact finish. Trial 3 is an overlap:
@@ -99,22 +74,13 @@ def test_fault_injection_quick(corpus, tmp_path):
     from faults.harness import configurations, report, run_suite
 
     trials = len(configurations())
-    work = _fault_workdir(tmp_path)
-    try:
-        total, per_config, seconds = run_suite(trials, seed=1234, dataset=corpus, workdir=work, steps=5, max_kills=1)
-        text = report(total, per_config, seconds, 1234, trials)
-        print(text)
-        assert total.trials == trials
-        assert total.kills >= trials // 2 and total.resumes >= 1  # a random kill may fall after a (short) run's end
-        assert total.overlaps >= 1 and total.refused_starts >= 1 and total.fenced_exits >= 1, text
-        assert not total.violations(), text
-    except BaseException:
-        if work != tmp_path:  # a failed trial's folders (run_suite keeps them) stay for inspection, on disk
-            shutil.copytree(work, tmp_path / "work", symlinks=True, dirs_exist_ok=True)
-        raise
-    finally:
-        if work != tmp_path:
-            shutil.rmtree(work, ignore_errors=True)
+    total, per_config, seconds = run_suite(trials, seed=1234, dataset=corpus, workdir=tmp_path, steps=5, max_kills=1)
+    text = report(total, per_config, seconds, 1234, trials)
+    print(text)
+    assert total.trials == trials
+    assert total.kills >= trials // 2 and total.resumes >= 1  # a random kill may fall after a (short) run's end
+    assert total.overlaps >= 1 and total.refused_starts >= 1 and total.fenced_exits >= 1, text
+    assert not total.violations(), text
 
 
 # --- corruption and tampering ----------------------------------------------------------------------------------------
