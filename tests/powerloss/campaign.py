@@ -203,12 +203,18 @@ class _Distinct:
 
 
 def campaign(config: str, work: Path, profiles: list[str], variants: int, max_runs: int, seed: int, jobs: int,
-             say=print, scenarios=SCENARIOS) -> dict:
+             say=print, scenarios=SCENARIOS, trace_as_reference: bool = False) -> dict:
     """Every durable-only crash state (variant 0) of every crash point is resumed; of the seeded variants, at most
-    ``max_runs`` distinct ones (0 = all), sampled with the seed."""
+    ``max_runs`` distinct ones (0 = all), sampled with the seed. ``trace_as_reference``: the uninterrupted run the
+    resumed states are compared with is the traced fresh run itself (the same flags, uninterrupted: what it wrote, in
+    its backing folder once unmounted) instead of one more run on the plain disk (a train.py run and a tokenization
+    less). A trace that training on the recording filesystem had changed still shows: the crash states before its
+    first checkpoint resume from nothing, on the plain disk, and would differ from it."""
     work.mkdir(parents=True, exist_ok=True)
-    ref = reference(config, work)
+    ref = None if trace_as_reference else reference(config, work)
     trs = traces(config, work, scenarios)
+    if ref is None:
+        ref = _final(work / "run" / "backing"), _rows(work / "run" / "backing")  # trace(config, work / "run")
     distinct: dict[tuple, _Distinct] = {}
     tried = 0
     for scenario, tr in trs.items():
