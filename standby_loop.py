@@ -206,7 +206,8 @@ class Loop:
             rc = os.waitstatus_to_exitcode(status)
             try:
                 # a signal's death as a shell gives it (128 + n), and the signal, for the rank process to die of
-                conn.send(json.dumps({"rc": rc if rc >= 0 else 128 - rc, **({"signal": -rc} if rc < 0 else {})}).encode())
+                ended = {"rc": rc, "signal": None} if rc >= 0 else {"rc": 128 - rc, "signal": -rc}
+                conn.send(json.dumps(ended).encode())
             except OSError:
                 pass  # the rank process is gone already
             conn.close()

@@ -73,8 +73,8 @@ def _recovered(tmp_path: Path, corpus: str, reference: Path, crashes: str, *, sp
     generations = [int(g) for g, _, _ in lines]
     assert generations == sorted(set(generations)) and generations[0] >= 1, lines
     # the survivors' PIDs: each process that left a group lived on, unless a later failure killed it
-    forked = {int(child): int(pid) for pid, child in re.findall(r"^member \d+ \(pid (\d+)\) runs in pid (\d+), forked by "
-                                                                r"the warm standby", text, re.M)}
+    forked = {int(child): int(pid) for pid, child in
+              re.findall(r"^member \d+ \(pid (\d+)\) runs in pid (\d+), forked by the warm standby", text, re.M)}
     assert len(forked) == spares, text[-4000:]  # the spares, forked from the node's standby; the ranks start cold
     left = {forked.get(pid, pid) for pid in map(int, re.findall(r"^recovery \(rank \d+, pid (\d+)\): ", text, re.M))}
     killed = {int(pid) for pid in re.findall(r"\(member \d+, pid (\d+)\) died \(SIGKILL\)", text)}
